@@ -1,0 +1,79 @@
+"""ModelConfig: one frozen dataclass describes every model ode-lm builds.
+
+``architecture`` picks the family member (the DiffEqFormer ODE or a discrete baseline),
+``flavour`` picks the block internals (GPT-2, Llama, Pythia/GPT-NeoX). ``num_steps`` is a
+*default* for the ODE solve: every forward call may override it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FLAVOURS = ("gpt2", "llama", "neox")
+ARCHITECTURES = ("ode", "sequential", "parallel")
+SOLVERS = ("euler", "midpoint", "rk4")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    flavour: str = "gpt2"
+    architecture: str = "ode"  # ode = DiffEqFormer; sequential / parallel = discrete baselines
+    vocab_size: int = 256
+    d_model: int = 64
+    num_heads: int = 2
+    mlp_dim: int | None = None  # None -> 4 * d_model
+    max_seq_len: int = 1024  # learned positions (gpt2) / RoPE cache length
+    # ODE
+    num_steps: int = 12  # default solver steps N (a setting, not a parameter count)
+    solver: str = "euler"
+    time_embed_dim: int = 20  # D
+    sinusoidal_dim: int = 128  # S -> time features of size 2S+1
+    time_scale: float = 1000.0
+    time_dependent: bool = True  # False: autonomous weight-shared ODE (ablation)
+    weight_generation: str = "in_scan"  # in_scan | precompute
+    random_grid_offset: bool = False
+    # discrete baselines
+    num_layers: int = 12
+    # numerics
+    dtype: str = "float32"  # compute dtype; params are always float32
+    remat: str = "none"
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rotary_fraction: float = 1.0  # neox: fraction of head_dim that is rotated
+    dropout_rate: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.flavour not in FLAVOURS:
+            raise ValueError(f"ModelConfig.flavour={self.flavour!r}: expected one of {FLAVOURS}")
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"ModelConfig.architecture={self.architecture!r}: expected one of {ARCHITECTURES}"
+            )
+        if self.solver not in SOLVERS:
+            raise ValueError(f"ModelConfig.solver={self.solver!r}: expected one of {SOLVERS}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
+            )
+        if self.num_steps <= 0:
+            raise ValueError(f"ModelConfig.num_steps={self.num_steps}: must be >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.mlp_dim if self.mlp_dim is not None else 4 * self.d_model
+
+    @property
+    def time_feature_dim(self) -> int:
+        return 2 * self.sinusoidal_dim + 1
+
+    @property
+    def tied_embeddings(self) -> bool:
+        return self.flavour == "gpt2"
+
+    def replace(self, **kw) -> ModelConfig:
+        return dataclasses.replace(self, **kw)

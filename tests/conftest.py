@@ -1,0 +1,25 @@
+"""Test setup: 8 simulated CPU devices for every test process (must precede jax import)."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+REFERENCE_DIR = REPO.parent / "shared" / "reference"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> pathlib.Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def reference_dir() -> pathlib.Path:
+    if not (REFERENCE_DIR / "qkvflow_micro_perturbed.npz").exists():
+        pytest.skip(f"paper reference vectors not found at {REFERENCE_DIR} (they live in shared/)")
+    return REFERENCE_DIR
