@@ -1,0 +1,240 @@
+"""Metrics: clu aggregation, TensorBoard writers (with or without TensorFlow), MFU, progress.
+
+Values are read back from the device one step late so the host never waits on the step it
+has just dispatched. Only process 0 writes event files.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from clu import metrics as clu_metrics
+
+# Dense peak FLOP/s per chip: (bf16, fp32). fp32 on GPUs means TF32 tensor cores (JAX's
+# default matmul precision there); TPUs run fp32 matmuls through the bf16 MXU passes.
+PEAK_FLOPS: dict[str, tuple[float, float]] = {
+    "tpu v4": (275e12, 275e12),
+    "tpu v5 lite": (197e12, 197e12),  # v5e
+    "tpu v5e": (197e12, 197e12),
+    "tpu v5p": (459e12, 459e12),
+    "tpu v5": (459e12, 459e12),  # v5p reports 'TPU v5'
+    "tpu v6 lite": (918e12, 918e12),  # v6e (Trillium)
+    "tpu v6e": (918e12, 918e12),
+    "a100": (312e12, 156e12),
+    "h100": (989e12, 494e12),
+    "h200": (989e12, 494e12),
+}
+DEFAULT_CPU_PEAK_FLOPS = 300e9  # measured fp32 matmul peak of this 2-core host, per process
+
+
+def peak_flops_per_device(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """Peak FLOP/s of one accelerator from its ``device_kind``; None if not in the table."""
+    kind = device_kind.lower()
+    for name in sorted(PEAK_FLOPS, key=len, reverse=True):  # 'tpu v5 lite' before 'tpu v5'
+        if name in kind:
+            bf16, fp32 = PEAK_FLOPS[name]
+            return fp32 if dtype == "float32" else bf16
+    return None
+
+
+def total_peak_flops(
+    devices: list[jax.Device], dtype: str, cpu_peak_flops: float = DEFAULT_CPU_PEAK_FLOPS
+) -> float:
+    """Peak FLOP/s of the whole mesh. Simulated CPU devices share one host: cpu_peak per process."""
+    if devices[0].platform == "cpu":
+        return cpu_peak_flops * len({d.process_index for d in devices})
+    per_device = peak_flops_per_device(devices[0].device_kind, dtype)
+    if per_device is None:
+        return float("nan")
+    return per_device * len(devices)
+
+
+def mfu(flops_per_token: float, tokens_per_second: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the hardware peak."""
+    return flops_per_token * tokens_per_second / peak_flops
+
+
+# ------------------------------------------------------------------------ clu metrics
+
+
+# Per-step train outputs averaged (or last value) over a logging window.
+TrainMetrics = clu_metrics.Collection.create(
+    loss=clu_metrics.Average.from_output("loss"),
+    grad_norm=clu_metrics.Average.from_output("grad_norm"),
+    param_norm=clu_metrics.LastValue.from_output("param_norm"),
+    learning_rate=clu_metrics.LastValue.from_output("learning_rate"),
+    skipped_steps=clu_metrics.LastValue.from_output("skipped_steps"),
+)
+TRAIN_METRIC_KEYS = ("loss", "grad_norm", "param_norm", "learning_rate", "skipped_steps")
+
+
+def accumulate(window: Any, outputs: Mapping[str, Any]) -> Any:
+    """Merge one step's host-side outputs into the logging window."""
+    update = TrainMetrics.single_from_model_output(
+        **{k: np.asarray(outputs[k], np.float32) for k in TRAIN_METRIC_KEYS}
+    )
+    return update if window is None else window.merge(update)
+
+
+# ---------------------------------------------------------------------------- writers
+
+
+class MetricWriter(abc.ABC):
+    """The clu ``MetricWriter`` interface subset the trainer uses (clu's needs TensorFlow)."""
+
+    @abc.abstractmethod
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None: ...
+
+    @abc.abstractmethod
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None: ...
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+
+class TensorBoardXWriter(MetricWriter):
+    """TF-free TensorBoard event files through tensorboardX."""
+
+    def __init__(self, logdir: str):
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=logdir, flush_secs=10)
+
+    def write_scalars(self, step, scalars):
+        for k, v in scalars.items():
+            self._writer.add_scalar(k, float(v), global_step=int(step))
+
+    def write_texts(self, step, texts):
+        for k, v in texts.items():
+            self._writer.add_text(k, v, global_step=int(step))
+
+    def flush(self):
+        self._writer.flush()
+
+    def close(self):
+        self._writer.close()
+
+
+class CluWriter(MetricWriter):
+    """clu's TensorFlow summary writer, used when TensorFlow is importable."""
+
+    def __init__(self, logdir: str):
+        from clu import metric_writers
+
+        self._writer = metric_writers.create_default_writer(logdir, asynchronous=False)
+
+    def write_scalars(self, step, scalars):
+        self._writer.write_scalars(int(step), dict(scalars))
+
+    def write_texts(self, step, texts):
+        self._writer.write_texts(int(step), dict(texts))
+
+    def flush(self):
+        self._writer.flush()
+
+    def close(self):
+        self._writer.close()
+
+
+class JsonlWriter(MetricWriter):
+    """One JSON line per write: ``MODEL_DIR/metrics.jsonl`` for scripts and tests."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write_scalars(self, step, scalars):
+        row = {"step": int(step), **{k: float(v) for k, v in scalars.items()}}
+        self._file.write(json.dumps(row) + "\n")
+
+    def write_texts(self, step, texts):
+        pass
+
+    def flush(self):
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self):
+        self._file.close()
+
+
+class MultiWriter(MetricWriter):
+    def __init__(self, writers: list[MetricWriter]):
+        self._writers = writers
+
+    def write_scalars(self, step, scalars):
+        for w in self._writers:
+            w.write_scalars(step, scalars)
+
+    def write_texts(self, step, texts):
+        for w in self._writers:
+            w.write_texts(step, texts)
+
+    def flush(self):
+        for w in self._writers:
+            w.flush()
+
+    def close(self):
+        for w in self._writers:
+            w.close()
+
+
+def tensorflow_available() -> bool:
+    try:
+        import tensorflow  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def create_writer(model_dir: str, process_index: int | None = None) -> MetricWriter:
+    """TensorBoard + jsonl writer under ``model_dir`` on process 0; a no-op elsewhere."""
+    if (jax.process_index() if process_index is None else process_index) != 0:
+        return MultiWriter([])
+    tb = CluWriter(model_dir) if tensorflow_available() else TensorBoardXWriter(model_dir)
+    return MultiWriter([tb, JsonlWriter(os.path.join(model_dir, "metrics.jsonl"))])
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def progress_line(step: int, total: int, loss: float, tokens_per_s: float, mfu_value: float,
+                  eta_s: float) -> str:
+    """'step 120/600 | loss 4.213 | 12.3k tok/s | MFU 23.1% | ETA 1m32s'."""
+    mfu_text = f"{100 * mfu_value:.1f}%" if math.isfinite(mfu_value) else "n/a"
+    return (
+        f"step {step}/{total} | loss {loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s | "
+        f"MFU {mfu_text} | ETA {format_duration(eta_s)}"
+    )
+
+
+class Throughput:
+    """Tokens/s and step time between two host reads (wall clock, includes everything)."""
+
+    def __init__(self):
+        self._t = time.perf_counter()
+
+    def lap(self, steps: int, tokens: int) -> tuple[float, float]:
+        now = time.perf_counter()
+        dt, self._t = now - self._t, now
+        dt = max(dt, 1e-9)
+        return tokens / dt, dt / max(steps, 1)
