@@ -1,0 +1,73 @@
+"""``DataConfig``: every knob of the input pipelines.
+
+A plain dataclass: the trainer registers it with gin, nothing in ``ode_lm.data`` imports gin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+
+PACKINGS = ("concat", "first_fit")
+
+
+def default_data_dir() -> str:
+    base = os.environ.get("ODE_LM_CACHE") or os.path.join(tempfile.gettempdir(), "ode_lm")
+    return os.path.join(base, "data", "builtin-bpe4096")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Input pipeline settings.
+
+    Batches depend only on (data, tokenizer, seq_len, global_batch_size, packing, seed,
+    first_fit_bins, process_count) and the step; thread/worker/prefetch counts never change them.
+    """
+
+    # --- where the data is and how it was / is tokenized ---
+    # prepared shards + manifest.json
+    data_dir: str = dataclasses.field(default_factory=default_data_dir)
+    source: str = "builtin"          # raw source spec (ode_lm.data.sources): prepare/streaming
+    tokenizer: str = "bpe:4096"      # tokenizer spec (see ode_lm.data.tokenizers)
+    text_field: str = "text"         # jsonl/parquet/tfds field holding the text
+    text_delimiter: str | None = None  # .txt: None = one document per file
+    non_utf8: str = "replace"        # 'replace' (U+FFFD) or 'skip' the document; both counted
+    holdout_fraction: float = 0.0005  # validation fraction (document-content hash rule)
+    holdout_seed: int = 2357
+    docs_per_shard: int = 20_000     # preparation: documents per input chunk (= output shard pair)
+    # --- batches ---
+    seq_len: int = 256
+    global_batch_size: int = 8
+    seed: int = 0
+    packing: str = "concat"          # 'concat' (concat-then-split) | 'first_fit'
+    first_fit_bins: int = 0          # first_fit: max pieces carried to the next batch (0 = rows)
+    num_epochs: int | None = None    # None = repeat forever (each epoch reshuffled)
+    # --- throughput (never change the batches) ---
+    num_threads: int = 2             # record-reading / tokenizing threads
+    prefetch: int = 2                # batches prefetched by a background thread (0 = none)
+    num_workers: int = 0             # streaming: tokenizer processes (0 = threads in-process)
+    # --- eval ---
+    eval_batch_size: int | None = None  # global; None = global_batch_size
+    eval_max_batches: int | None = None  # None = the whole split; else a fixed prefix of it
+    # --- streaming mode (unprepared sources) ---
+    streaming: bool = False
+    shuffle_window: int = 1024       # documents in the streaming window shuffle
+    interleave_files: int = 4        # files read concurrently per host
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise ValueError(f"DataConfig.packing={self.packing!r}: use one of {PACKINGS}")
+        if self.seq_len < 1 or self.global_batch_size < 1:
+            raise ValueError(f"DataConfig: seq_len={self.seq_len} and global_batch_size="
+                             f"{self.global_batch_size} must be >= 1")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"DataConfig.holdout_fraction={self.holdout_fraction} not in [0, 1)")
+        if self.non_utf8 not in ("replace", "skip"):
+            raise ValueError(f"DataConfig.non_utf8={self.non_utf8!r}: use 'replace' or 'skip'")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"DataConfig.seed={self.seed} must be in [0, 2^32)")
+
+    @property
+    def eval_global_batch_size(self) -> int:
+        return self.eval_batch_size or self.global_batch_size

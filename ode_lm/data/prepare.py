@@ -1,0 +1,334 @@
+"""Offline preparation: raw documents -> tokenized ArrayRecord shards + ``manifest.json``.
+
+Layout of a prepared data dir::
+
+  prepare_settings.json       the settings; a re-run with other settings is refused
+  tokenizer.json              only for bpe:<n> (trained on the train split, then reused)
+  train-00000.array_record    one record per document: little-endian uint16/uint32 ids + EOS
+  validation-00000.array_record
+  chunks/00000.json           "chunk 0 is complete" marker with its counts (written last)
+  manifest.json               counts per split, shard list, tokenizer spec + sha256, source
+
+The source is cut into fixed chunks of ``docs_per_shard`` documents in source order; chunk
+``c`` becomes ``train-c`` and ``validation-c``. Every file is written to a temporary name and
+renamed, and the chunk marker is written after its shards, so an interrupted run resumes by
+redoing only chunks without a valid marker: no duplicate or partial shards, whatever the
+number of worker processes.
+
+Holdout rule (independent of workers, hosts and document order): a document goes to
+``validation`` iff ``blake2b(utf8(text), key=str(seed), digest_size=8) / 2**64 < fraction``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+from ode_lm.data import sources as sources_lib
+from ode_lm.data import tokenizers as tok_lib
+from ode_lm.data.config import DataConfig
+
+FORMAT = "ode_lm.data/1"
+MANIFEST = "manifest.json"
+SETTINGS = "prepare_settings.json"
+SPLITS = ("train", "validation")
+_SETTING_KEYS = ("source", "tokenizer", "text_field", "text_delimiter", "non_utf8",
+                 "holdout_fraction", "holdout_seed", "docs_per_shard")
+
+
+class PreparedDataError(ValueError):
+    """Prepared data missing, inconsistent, truncated, or tokenized differently."""
+
+
+def is_validation(text: str, fraction: float, seed: int) -> bool:
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "little") < fraction * 2.0**64
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def _write_atomic(path: epath.Path, data: str | bytes) -> None:
+    tmp = path.parent / f"{path.name}.tmp{os.getpid()}"
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+    tmp.rename(path)
+
+
+def _is_local(path: str | os.PathLike) -> bool:
+    return "://" not in os.fspath(path)
+
+
+def _write_shard(path: epath.Path, records: list[bytes]) -> int:
+    """Writes an ArrayRecord file atomically (locally, then copied for gs://); returns bytes."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    local_dir = path.parent if _is_local(path) else epath.Path(tempfile.mkdtemp())
+    tmp = local_dir / f"{path.name}.tmp{os.getpid()}"
+    writer = ArrayRecordWriter(os.fspath(tmp), "group_size:1")
+    for r in records:
+        writer.write(r)
+    writer.close()
+    size = tmp.stat().length
+    if _is_local(path):
+        tmp.rename(path)
+    else:
+        tmp.copy(path, overwrite=True)
+        shutil.rmtree(local_dir, ignore_errors=True)
+    return size
+
+
+_WORKER_TOKENIZERS: dict[tuple[str, str], tok_lib.Tokenizer] = {}
+
+
+def _worker_tokenizer(spec: str, data_dir: str) -> tok_lib.Tokenizer:
+    key = (spec, data_dir)
+    if key not in _WORKER_TOKENIZERS:
+        _WORKER_TOKENIZERS[key] = tok_lib.get_tokenizer(spec, data_dir)
+    return _WORKER_TOKENIZERS[key]
+
+
+def _process_chunk(data_dir: str, chunk: int, docs: list[sources_lib.Document],
+                   settings: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """Tokenizes one chunk, writes its shards, then its marker; returns the marker."""
+    tok = _worker_tokenizer(settings["tokenizer"], data_dir)
+    bad = sum(b for _, b in docs)
+    if settings["non_utf8"] == "skip":
+        docs = [d for d in docs if not d[1]]
+    texts = [t for t, _ in docs]
+    records: dict[str, list[bytes]] = {s: [] for s in SPLITS}
+    tokens = dict.fromkeys(SPLITS, 0)
+    eos = np.array([tok.eos_id], np.int64)
+    for text, ids in zip(texts, tok.encode_batch(texts), strict=True):
+        split = "validation" if is_validation(
+            text, settings["holdout_fraction"], settings["holdout_seed"]) else "train"
+        arr = np.concatenate([ids, eos]).astype(dtype)
+        records[split].append(arr.tobytes())
+        tokens[split] += arr.size
+    root = epath.Path(data_dir)
+    skipped = int(bad) if settings["non_utf8"] == "skip" else 0
+    marker: dict[str, Any] = {"chunk": chunk, "non_utf8_documents": int(bad),
+                              "skipped_documents": skipped}
+    for split in SPLITS:
+        name = f"{split}-{chunk:05d}.array_record"
+        size = _write_shard(root / name, records[split]) if records[split] else 0
+        marker[split] = {"path": name if records[split] else None, "documents": len(records[split]),
+                         "tokens": int(tokens[split]), "bytes": int(size)}
+    (root / "chunks").mkdir(parents=True, exist_ok=True)
+    _write_atomic(root / "chunks" / f"{chunk:05d}.json", json.dumps(marker))
+    return marker
+
+
+def _valid_marker(root: epath.Path, chunk: int) -> dict[str, Any] | None:
+    p = root / "chunks" / f"{chunk:05d}.json"
+    if not p.exists():
+        return None
+    try:
+        marker = json.loads(p.read_text())
+    except json.JSONDecodeError:
+        return None
+    for split in SPLITS:
+        info = marker.get(split) or {}
+        if info.get("path") and not ((root / info["path"]).exists()
+                                     and (root / info["path"]).stat().length == info["bytes"]):
+            return None
+    return marker
+
+
+def _chunks(docs: Iterable[sources_lib.Document], n: int) -> Iterator[list[sources_lib.Document]]:
+    it = iter(docs)
+    while chunk := list(itertools.islice(it, n)):
+        yield chunk
+
+
+def _settings(cfg: DataConfig) -> dict[str, Any]:
+    return {"format": FORMAT, **{k: getattr(cfg, k) for k in _SETTING_KEYS}}
+
+
+def _check_settings(root: epath.Path, settings: dict[str, Any]) -> None:
+    p = root / SETTINGS
+    if p.exists():
+        old = json.loads(p.read_text())
+        diff = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if diff:
+            k, (a, b) = next(iter(diff.items()))
+            raise PreparedDataError(f"data dir {root} was prepared with {k}={a!r}, not {b!r}; "
+                                    "use another data dir or delete it")
+    else:
+        _write_atomic(p, json.dumps(settings, indent=1))
+
+
+def _progress(total: int | None, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="doc", desc="prepare", mininterval=1.0)
+
+
+def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = True,
+            log=print) -> dict[str, Any]:
+    """Prepares ``cfg.source`` into ``cfg.data_dir`` (idempotent, resumable); returns manifest."""
+    root = epath.Path(cfg.data_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    settings = _settings(cfg)
+    _check_settings(root, settings)
+    if (root / MANIFEST).exists():
+        return load_manifest(root)
+    start = time.perf_counter()
+    split_docs = lambda: sources_lib.iter_documents(  # noqa: E731
+        cfg.source, text_field=cfg.text_field, text_delimiter=cfg.text_delimiter)
+    if cfg.tokenizer.startswith("bpe:") and not (root / tok_lib.BPE_FILE).exists():
+        n = tok_lib.bpe_vocab_size(cfg.tokenizer)
+        train_texts = (t for t, bad in split_docs() if not (bad and cfg.non_utf8 == "skip")
+                       and not is_validation(t, cfg.holdout_fraction, cfg.holdout_seed))
+        tok_lib.train_bpe(train_texts, n, root / tok_lib.BPE_FILE)
+        log(f"prepare: trained {cfg.tokenizer} -> {root / tok_lib.BPE_FILE}")
+    tok = tok_lib.get_tokenizer(cfg.tokenizer, root)
+    dtype = token_dtype(tok.vocab_size).str
+    num_proc = max(1, num_proc if num_proc is not None else (os.cpu_count() or 1))
+    total = len(sources_lib.builtin_documents()) if sources_lib.is_builtin(cfg.source) else None
+    bar = _progress(total, progress)
+    markers: dict[int, dict[str, Any]] = {}
+    pool = None
+    if num_proc > 1:
+        pool = cf.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"))
+    pending: dict[cf.Future, int] = {}
+    num_docs = 0
+    num_chunks = 0
+    try:
+        for chunk, docs in enumerate(_chunks(split_docs(), cfg.docs_per_shard)):
+            num_chunks = chunk + 1
+            num_docs += len(docs)
+            if (m := _valid_marker(root, chunk)) is not None:
+                markers[chunk] = m
+            elif pool is None:
+                markers[chunk] = _process_chunk(os.fspath(root), chunk, docs, settings, dtype)
+            else:
+                while len(pending) >= 2 * num_proc:  # bound memory: few chunks in flight
+                    done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                    for f in done:
+                        markers[pending.pop(f)] = f.result()
+                fut = pool.submit(_process_chunk, os.fspath(root), chunk, docs, settings, dtype)
+                pending[fut] = chunk
+            if bar is not None:
+                bar.update(len(docs))
+        for f in cf.as_completed(pending):
+            markers[pending[f]] = f.result()
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+        if bar is not None:
+            bar.close()
+    if num_docs == 0:
+        raise sources_lib.SourceError(f"source {cfg.source!r}: no documents")
+    manifest = _assemble(cfg, tok, dtype, [markers[c] for c in range(num_chunks)])
+    _write_atomic(root / MANIFEST, json.dumps(manifest, indent=1))
+    dt = time.perf_counter() - start
+    toks = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
+    log(f"prepare: {num_docs} docs, {toks} tokens in {dt:.1f}s "
+        f"({num_docs / dt:,.0f} docs/s, {toks / dt:,.0f} tokens/s) -> {root}")
+    return manifest
+
+
+def _assemble(cfg: DataConfig, tok: tok_lib.Tokenizer, dtype: str,
+              markers: list[dict[str, Any]]) -> dict[str, Any]:
+    splits = {}
+    for split in SPLITS:
+        shards = [dict(m[split]) for m in markers if m[split]["path"]]
+        splits[split] = {"documents": sum(s["documents"] for s in shards),
+                         "tokens": sum(s["tokens"] for s in shards), "shards": shards}
+    return {
+        "format": FORMAT,
+        "source": {"spec": cfg.source, "text_field": cfg.text_field,
+                   "text_delimiter": cfg.text_delimiter},
+        "tokenizer": tok_lib.describe(tok),
+        "dtype": dtype,
+        "holdout": {"fraction": cfg.holdout_fraction, "seed": cfg.holdout_seed,
+                    "rule": "validation iff blake2b(utf8(text), key=str(seed), digest_size=8)"
+                            " / 2**64 < fraction"},
+        "non_utf8": {"policy": cfg.non_utf8,
+                     "documents": sum(m["non_utf8_documents"] for m in markers),
+                     "skipped": sum(m["skipped_documents"] for m in markers)},
+        "docs_per_shard": cfg.docs_per_shard,
+        "splits": splits,
+    }
+
+
+def load_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of a prepared dir, with ``vocab_size``/``eos_id``/``dtype`` at top level."""
+    p = epath.Path(data_dir) / MANIFEST
+    if not p.exists():
+        raise PreparedDataError(f"{p} not found: prepare the data first "
+                                "(tools/prepare_data.py or ode_lm.data.ensure_prepared)")
+    try:
+        m = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PreparedDataError(f"{p}: not valid JSON ({e.msg})") from None
+    if m.get("format") != FORMAT:
+        raise PreparedDataError(f"{p}: format {m.get('format')!r}, expected {FORMAT!r}")
+    m["vocab_size"] = m["tokenizer"]["vocab_size"]
+    m["eos_id"] = m["tokenizer"]["eos_id"]
+    m["data_dir"] = os.fspath(data_dir)
+    return m
+
+
+def check_tokenizer(manifest: dict[str, Any], spec: str | None) -> None:
+    """Refuses data tokenized by another tokenizer than the configured one (spec or file hash)."""
+    if not spec:
+        return
+    rec = manifest["tokenizer"]
+    if spec != rec["spec"]:
+        raise PreparedDataError(f"{manifest['data_dir']}: data was tokenized with {rec['spec']!r}, "
+                                f"config says tokenizer={spec!r}")
+    tok = tok_lib.get_tokenizer(spec, manifest["data_dir"])
+    if tok.fingerprint != rec["sha256"]:
+        raise PreparedDataError(f"{manifest['data_dir']}: tokenizer {spec!r} hash "
+                                f"{tok.fingerprint[:12]} does not match the manifest's "
+                                f"{rec['sha256'][:12]}")
+
+
+def shard_paths(manifest: dict[str, Any], split: str) -> list[str]:
+    """Absolute shard paths of a split, after checking each shard's size against the manifest."""
+    if split not in manifest["splits"]:
+        raise PreparedDataError(f"{manifest['data_dir']}: no split {split!r} "
+                                f"(have {sorted(manifest['splits'])})")
+    root = epath.Path(manifest["data_dir"])
+    paths = []
+    for s in manifest["splits"][split]["shards"]:
+        p = root / s["path"]
+        if not p.exists():
+            raise PreparedDataError(f"shard {p} is missing")
+        size = p.stat().length
+        if size != s["bytes"]:
+            raise PreparedDataError(f"shard {p} is truncated or changed: {size} bytes, "
+                                    f"manifest says {s['bytes']}")
+        paths.append(os.fspath(p))
+    return paths
+
+
+def ensure_prepared(cfg: DataConfig, **kwargs: Any) -> dict[str, Any]:
+    """Prepares ``cfg`` (default: the built-in corpus) unless already done; returns the manifest."""
+    if not (epath.Path(cfg.data_dir) / MANIFEST).exists():
+        kwargs.setdefault("num_proc", 1)
+        kwargs.setdefault("progress", False)
+        prepare(cfg, **kwargs)
+    manifest = load_manifest(cfg.data_dir)
+    check_tokenizer(manifest, cfg.tokenizer)
+    return manifest

@@ -1,0 +1,252 @@
+"""Raw document sources: built-in corpus, text, jsonl(.gz/.zst), parquet, TFDS; local or gs://.
+
+A source spec is one of
+  * ``builtin`` - the standard-library docstring corpus (``ode_lm.data.corpus``);
+  * ``tfds:<name>[?split=train&data_dir=<dir>]`` - read through ``tfds.data_source``;
+  * one or more comma-separated paths, globs or directories (local or ``gs://`` through
+    ``etils.epath``). Files are typed by extension: ``.txt``, ``.jsonl``/``.json``
+    (optionally ``.gz``/``.zst``), ``.parquet``. Directories are searched recursively;
+    files are always read in sorted order.
+
+A ``.txt`` file is one document, or, when ``text_delimiter`` is set, several documents
+separated by that string (each piece stripped of surrounding newlines, empty pieces
+dropped). jsonl and parquet read ``text_field`` (OpenWebText's layout: ``text``).
+
+Documents are yielded as ``(text, bad_utf8)``: undecodable bytes are replaced by U+FFFD and
+flagged, so preparation can replace or skip them and count them in the manifest.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import urllib.parse
+from collections.abc import Iterator, Sequence
+from typing import BinaryIO
+
+from etils import epath
+
+from ode_lm.data.corpus import builtin_documents
+
+TEXT_EXTS = (".txt",)
+JSONL_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
+PARQUET_EXTS = (".parquet",)
+ALL_EXTS = TEXT_EXTS + JSONL_EXTS + PARQUET_EXTS
+Document = tuple[str, bool]
+
+
+class SourceError(ValueError):
+    """Bad raw input; the message names the file (and line) at fault."""
+
+
+def file_kind(path: str) -> str:
+    name = os.fspath(path).lower()
+    for kind, exts in (("jsonl", JSONL_EXTS), ("text", TEXT_EXTS), ("parquet", PARQUET_EXTS)):
+        if name.endswith(exts):
+            return kind
+    raise SourceError(f"{path}: unsupported file type (expected one of {', '.join(ALL_EXTS)})")
+
+
+def _decode(raw: bytes) -> Document:
+    try:
+        return raw.decode("utf-8"), False
+    except UnicodeDecodeError:
+        return raw.decode("utf-8", "replace"), True
+
+
+def _clean(text: str) -> Document:
+    """Lone surrogates (e.g. from JSON escapes) cannot be encoded: replace and flag them."""
+    try:
+        text.encode("utf-8")
+        return text, False
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8"), True
+
+
+def is_builtin(spec: str) -> bool:
+    return spec in ("builtin", "builtin:stdlib")
+
+
+def list_files(spec: str) -> list[str]:
+    """The sorted files of a path/glob/dir spec; a one-line error when there are none."""
+    files: list[str] = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if any(c in part for c in "*?["):
+            j = part[: min(part.index(c) for c in "*?[" if c in part)].rfind("/")
+            base, pattern = (part[:j] or "/", part[j + 1:]) if j >= 0 else (".", part)
+            matches = [os.fspath(p) for p in epath.Path(base).glob(pattern) if p.is_file()]
+            if not matches:
+                raise SourceError(f"source {part!r}: the glob matches no files")
+            files.extend(matches)
+            continue
+        path = epath.Path(part)
+        if not path.exists():
+            raise SourceError(f"source {part!r}: no such file or directory")
+        if path.is_dir():
+            found = [os.fspath(p) for p in path.rglob("*") if p.is_file()
+                     and os.fspath(p).lower().endswith(ALL_EXTS)]
+            if not found:
+                raise SourceError(f"source {part!r}: empty directory "
+                                  f"(no {'/'.join(ALL_EXTS)} files)")
+            files.extend(found)
+        else:
+            files.append(os.fspath(path))
+    if not files:
+        raise SourceError(f"source {spec!r}: no files given")
+    for f in files:
+        file_kind(f)
+    return sorted(dict.fromkeys(files))
+
+
+def _open_binary(path: str) -> BinaryIO:
+    f = epath.Path(path).open("rb")
+    name = path.lower()
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=f)  # type: ignore[return-value]
+    if name.endswith(".zst"):
+        import zstandard
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(f))  # type: ignore[arg-type]
+    return f  # type: ignore[return-value]
+
+
+def _check_nonempty(path: str) -> None:
+    p = epath.Path(path)
+    if p.stat().length == 0:
+        raise SourceError(f"{path}: empty file")
+
+
+def iter_text_file(path: str, delimiter: str | None) -> Iterator[Document]:
+    _check_nonempty(path)
+    text, bad = _decode(epath.Path(path).read_bytes())
+    if delimiter is None:
+        if text.strip():
+            yield text, bad
+        else:
+            raise SourceError(f"{path}: empty file (only whitespace)")
+        return
+    n = 0
+    for piece in text.split(delimiter):
+        piece = piece.strip("\r\n")
+        if piece.strip():
+            n += 1
+            yield piece, bad and "\ufffd" in piece
+    if n == 0:
+        raise SourceError(f"{path}: no documents between delimiters {delimiter!r}")
+
+
+def iter_jsonl_file(path: str, field: str) -> Iterator[Document]:
+    _check_nonempty(path)
+    n = 0
+    with _open_binary(path) as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            line, bad = _decode(raw)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SourceError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or field not in obj:
+                raise SourceError(f"{path}:{lineno}: missing field {field!r}")
+            value = obj[field]
+            if not isinstance(value, str):
+                raise SourceError(f"{path}:{lineno}: field {field!r} is {type(value).__name__}, "
+                                  "not a string")
+            text, bad2 = _clean(value)
+            n += 1
+            yield text, bad or bad2
+    if n == 0:
+        raise SourceError(f"{path}: no documents (only blank lines)")
+
+
+def iter_parquet_file(path: str, field: str, skip: int = 0) -> Iterator[Document]:
+    """Rows of ``field``; ``skip`` leading rows are passed over by row group (fast resume)."""
+    import pyarrow.parquet as pq
+
+    _check_nonempty(path)
+    with epath.Path(path).open("rb") as f:
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types
+            raise SourceError(f"{path}: not a readable parquet file ({e})") from None
+        names = pf.schema_arrow.names
+        if field not in names:
+            raise SourceError(f"{path}: missing column {field!r} (columns: {names})")
+        if pf.metadata.num_rows == 0:
+            raise SourceError(f"{path}: parquet file has no rows")
+        for rg in range(pf.num_row_groups):
+            rows = pf.metadata.row_group(rg).num_rows
+            if skip >= rows:
+                skip -= rows
+                continue
+            column = pf.read_row_group(rg, columns=[field]).column(0)
+            for value in column.to_pylist()[skip:]:
+                if value is None:
+                    continue
+                yield _decode(value) if isinstance(value, bytes) else _clean(value)
+            skip = 0
+
+
+def iter_file_documents(path: str, *, text_field: str = "text",
+                        text_delimiter: str | None = None) -> Iterator[Document]:
+    kind = file_kind(path)
+    if kind == "text":
+        return iter_text_file(path, text_delimiter)
+    if kind == "jsonl":
+        return iter_jsonl_file(path, text_field)
+    return iter_parquet_file(path, text_field)
+
+
+def parse_tfds(spec: str) -> tuple[str, dict[str, str]]:
+    body = spec[len("tfds:"):]
+    name, _, query = body.partition("?")
+    if not name:
+        raise SourceError(f"source {spec!r}: expected tfds:<name>[?split=..&data_dir=..]")
+    return name, dict(urllib.parse.parse_qsl(query))
+
+
+def tfds_source(spec: str):
+    """``tfds.data_source`` for a locally built (or GCS-hosted) dataset; no TensorFlow needed."""
+    import tensorflow_datasets as tfds
+
+    name, opts = parse_tfds(spec)
+    try:
+        return tfds.data_source(name, split=opts.get("split", "train"),
+                                data_dir=opts.get("data_dir"), download=False)
+    except Exception as e:  # noqa: BLE001 - tfds raises many types
+        msg = f"source {spec!r}: tfds.data_source failed: {e}".splitlines()[0]
+        raise SourceError(msg) from None
+
+
+def iter_tfds(spec: str, field: str) -> Iterator[Document]:
+    src = tfds_source(spec)
+    if len(src) == 0:
+        raise SourceError(f"source {spec!r}: the TFDS split is empty")
+    for i in range(len(src)):
+        ex = src[i]
+        if field not in ex:
+            raise SourceError(f"source {spec!r}: example {i} has no feature {field!r}")
+        v = ex[field]
+        v = v.item() if hasattr(v, "item") and getattr(v, "shape", None) == () else v
+        yield _decode(v) if isinstance(v, bytes) else _clean(str(v))
+
+
+def iter_documents(spec: str, *, text_field: str = "text",
+                   text_delimiter: str | None = None) -> Iterator[Document]:
+    """Every document of a source, in its fixed order."""
+    if is_builtin(spec):
+        for d in builtin_documents():
+            yield _clean(d)
+        return
+    if spec.startswith("tfds:"):
+        yield from iter_tfds(spec, text_field)
+        return
+    for path in list_files(spec):
+        yield from iter_file_documents(path, text_field=text_field, text_delimiter=text_delimiter)
+
+
+def describe_source(spec: str, files: Sequence[str] | None = None) -> dict:
+    return {"spec": spec, "files": list(files) if files is not None else None}

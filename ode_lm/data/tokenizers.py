@@ -1,0 +1,254 @@
+"""Tokenizers behind one small interface, chosen by a spec string.
+
+Specs: ``tiktoken:gpt2`` (the paper's tokenizer; offline via ``TIKTOKEN_CACHE_DIR``) or
+``tiktoken:<file.tiktoken>``, ``hf:<tokenizer.json>``, ``sentencepiece:<model>``,
+``bpe:<vocab size>`` (a byte-level BPE trained on the corpus during preparation and saved
+as ``tokenizer.json`` next to the prepared data) and ``bytes`` (UTF-8 bytes + EOS, for tests).
+
+Every tokenizer exposes ``encode_batch``, ``decode``, ``vocab_size``, ``eos_id`` and a
+``fingerprint`` (sha256 of what defines the token ids) that the manifest records, so
+training refuses data tokenized with a different tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+BPE_FILE = "tokenizer.json"
+ENDOFTEXT = "<|endoftext|>"
+# GPT-2's pre-tokenisation regex (tiktoken's r50k pattern).
+GPT2_PAT = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
+_EOS_CANDIDATES = (ENDOFTEXT, "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|eot_id|>")
+
+
+def padded_vocab_size(n: int, multiple: int = 128) -> int:
+    """Rounds the vocabulary up so the embedding/head shard evenly over 'tensor' devices.
+
+    Ids in [n, padded) are never produced by the tokenizer; their logits only ever learn to
+    be small, which leaves the loss over real tokens unchanged.
+    """
+    if n <= 0 or multiple <= 0:
+        raise ValueError(f"padded_vocab_size needs positive sizes, got n={n}, multiple={multiple}")
+    return -(-n // multiple) * multiple
+
+
+def _sha256_file(path: str | os.PathLike) -> str:
+    return hashlib.sha256(epath.Path(path).read_bytes()).hexdigest()
+
+
+class Tokenizer:
+    """Common interface; subclasses fill ``spec``, ``vocab_size``, ``eos_id``, ``fingerprint``."""
+
+    spec: str
+    vocab_size: int
+    eos_id: int
+    fingerprint: str
+    file: str | None = None  # the file defining the ids, if any
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids (int64 arrays) for each text, without EOS."""
+        raise NotImplementedError
+
+    def encode(self, text: str) -> np.ndarray:
+        return self.encode_batch([text])[0]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r}, vocab_size={self.vocab_size})"
+
+
+class BytesTokenizer(Tokenizer):
+    """UTF-8 bytes 0..255 plus EOS = 256: no files, exact round trip."""
+
+    def __init__(self) -> None:
+        self.spec, self.vocab_size, self.eos_id, self.fingerprint = "bytes", 257, 256, "bytes-v1"
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.int64) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", "replace")
+
+
+class TiktokenTokenizer(Tokenizer):
+    """tiktoken: a named encoding (offline through its cache) or a local ``.tiktoken`` file."""
+
+    def __init__(self, spec: str, name_or_path: str, num_threads: int = 2) -> None:
+        import tiktoken
+
+        self.spec, self.num_threads = spec, num_threads
+        if name_or_path.endswith(".tiktoken") or os.sep in name_or_path:
+            from tiktoken.load import load_tiktoken_bpe
+
+            if not epath.Path(name_or_path).exists():
+                raise FileNotFoundError(f"tokenizer {spec!r}: file {name_or_path} does not exist")
+            ranks = load_tiktoken_bpe(os.fspath(name_or_path))
+            eot = max(ranks.values()) + 1
+            self._enc = tiktoken.Encoding(
+                name=epath.Path(name_or_path).stem, pat_str=GPT2_PAT, mergeable_ranks=ranks,
+                special_tokens={ENDOFTEXT: eot},
+            )
+            self.file = os.fspath(name_or_path)
+        else:
+            try:
+                self._enc = tiktoken.get_encoding(name_or_path)
+            except Exception as e:  # noqa: BLE001 - network / cache errors vary by version
+                raise RuntimeError(
+                    f"tokenizer {spec!r}: could not load tiktoken encoding {name_or_path!r} "
+                    f"offline ({type(e).__name__}); put its files in TIKTOKEN_CACHE_DIR "
+                    f"(now {os.environ.get('TIKTOKEN_CACHE_DIR')!r}) or use "
+                    f"'tiktoken:<path to .tiktoken>'"
+                ) from None
+        self.vocab_size = self._enc.n_vocab
+        if ENDOFTEXT not in self._enc._special_tokens:  # noqa: SLF001
+            raise ValueError(f"tokenizer {spec!r} has no {ENDOFTEXT} token to use as EOS")
+        self.eos_id = self._enc._special_tokens[ENDOFTEXT]  # noqa: SLF001
+        h = hashlib.sha256()
+        for tok, rank in sorted(self._enc._mergeable_ranks.items(), key=lambda kv: kv[1]):  # noqa: SLF001
+            h.update(rank.to_bytes(4, "little") + len(tok).to_bytes(2, "little") + tok)
+        h.update(repr(sorted(self._enc._special_tokens.items())).encode())  # noqa: SLF001
+        self.fingerprint = h.hexdigest()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if len(texts) == 1:
+            return [np.asarray(self._enc.encode_ordinary(texts[0]), np.int64)]
+        out = self._enc.encode_ordinary_batch(list(texts), num_threads=self.num_threads)
+        return [np.asarray(ids, np.int64) for ids in out]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizer.json`` (also what ``bpe:<n>`` trains and saves)."""
+
+    def __init__(self, spec: str, path: str) -> None:
+        from tokenizers import Tokenizer as _HF
+
+        p = epath.Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"tokenizer {spec!r}: file {path} does not exist")
+        try:
+            self._tok = _HF.from_str(p.read_text())
+        except Exception as e:  # noqa: BLE001
+            msg = f"tokenizer {spec!r}: {path} is not a valid tokenizer.json: {e}"
+            raise ValueError(msg) from None
+        self.spec, self.file, self.fingerprint = spec, os.fspath(path), _sha256_file(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        eos = next((vocab[t] for t in _EOS_CANDIDATES if t in vocab), None)
+        if eos is None:
+            raise ValueError(f"tokenizer {spec!r}: none of {_EOS_CANDIDATES} in {path} "
+                             "to use as EOS")
+        self.eos_id = int(eos)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        encs = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, np.int64) for e in encs]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece ``.model`` file; its own ``</s>`` is the EOS."""
+
+    def __init__(self, spec: str, path: str, num_threads: int = 2) -> None:
+        import sentencepiece as spm
+
+        p = epath.Path(path)
+        if not p.exists():
+            raise FileNotFoundError(f"tokenizer {spec!r}: file {path} does not exist")
+        self._sp = spm.SentencePieceProcessor(model_proto=p.read_bytes())
+        self.spec, self.file, self.fingerprint = spec, os.fspath(path), _sha256_file(path)
+        self.vocab_size, self.eos_id = self._sp.get_piece_size(), self._sp.eos_id()
+        self.num_threads = num_threads
+        if self.eos_id < 0:
+            raise ValueError(f"tokenizer {spec!r}: {path} defines no EOS piece (eos_id=-1)")
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        out = self._sp.encode(list(texts), num_threads=self.num_threads)
+        return [np.asarray(ids, np.int64) for ids in out]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+
+def bpe_vocab_size(spec: str) -> int:
+    """The size in ``bpe:<n>``; a clear error for anything else."""
+    try:
+        n = int(spec.split(":", 1)[1])
+    except (IndexError, ValueError):
+        msg = f"tokenizer spec {spec!r}: expected 'bpe:<vocab size>', e.g. bpe:8192"
+        raise ValueError(msg) from None
+    if not 257 <= n <= 1 << 20:
+        raise ValueError(f"tokenizer spec {spec!r}: bpe vocab size must be in [257, 2^20], got {n}")
+    return n
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) -> str:
+    """Trains a byte-level BPE (GPT-2 style; EOS <|endoftext|> = id 0), saves tokenizer.json."""
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[ENDOFTEXT], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = epath.Path(path)
+    tmp = out.parent / (out.name + ".tmp")
+    tmp.write_text(tok.to_str())
+    tmp.rename(out)
+    return os.fspath(out)
+
+
+def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None, *,
+                  num_threads: int = 2) -> Tokenizer:
+    """Builds the tokenizer named by ``spec``; ``bpe:<n>`` loads ``<data_dir>/tokenizer.json``."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"tokenizer spec must be a non-empty string, got {spec!r}")
+    kind, _, arg = spec.partition(":")
+    if kind == "bytes" and not arg:
+        return BytesTokenizer()
+    if kind == "tiktoken" and arg:
+        return TiktokenTokenizer(spec, arg, num_threads=num_threads)
+    if kind == "hf" and arg:
+        return HFTokenizer(spec, arg)
+    if kind == "sentencepiece" and arg:
+        return SentencePieceTokenizer(spec, arg, num_threads=num_threads)
+    if kind == "bpe":
+        bpe_vocab_size(spec)
+        if data_dir is None:
+            raise ValueError(f"tokenizer {spec!r} is trained with the data: pass the data dir")
+        path = epath.Path(data_dir) / BPE_FILE
+        if not path.exists():
+            raise FileNotFoundError(
+                f"tokenizer {spec!r}: {path} not found; it is trained by tools/prepare_data.py"
+            )
+        tok = HFTokenizer(spec, os.fspath(path))
+        return tok
+    raise ValueError(
+        f"unknown tokenizer spec {spec!r}; use tiktoken:gpt2, tiktoken:<file>, "
+        "hf:<tokenizer.json>, sentencepiece:<model>, bpe:<vocab size> or bytes"
+    )
+
+
+def describe(tok: Tokenizer) -> dict[str, Any]:
+    """The manifest's record of a tokenizer."""
+    file = epath.Path(tok.file).name if tok.spec.startswith("bpe:") and tok.file else tok.file
+    return {"spec": tok.spec, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "sha256": tok.fingerprint, "file": file}

@@ -1,0 +1,209 @@
+"""Training pipeline: batch format, packing invariants, determinism, host disjointness, resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from data_helpers import builtin_config
+
+from ode_lm.data import load_manifest, make_train_iterator, to_global_batch
+from ode_lm.data import packing as packing_lib
+from ode_lm.data.pipeline import HostOrder, open_split
+
+PACKINGS = ("concat", "first_fit")
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_batch_format_and_packing_invariants(packing):
+    cfg = builtin_config(packing=packing)
+    eos = load_manifest(cfg.data_dir)["eos_id"]
+    for b in take(make_train_iterator(cfg, process_index=0, process_count=1), 5):
+        shape = (cfg.global_batch_size, cfg.seq_len)
+        assert {k: (v.shape, v.dtype.name) for k, v in b.items()} == {
+            "inputs": (shape, "int32"), "targets": (shape, "int32"),
+            "segment_ids": (shape, "int32"), "positions": (shape, "int32"),
+            "loss_mask": (shape, "float32")}
+        np.testing.assert_array_equal(b["inputs"][:, 1:], b["targets"][:, :-1])
+        seg, pos = b["segment_ids"], b["positions"]
+        for r in range(seg.shape[0]):
+            real = seg[r] > 0
+            n = int(real.sum())
+            assert real[:n].all() and not real[n:].any(), "padding only at the row end"
+            s = seg[r, :n]
+            assert s[0] == 1 and np.all(np.diff(s) >= 0) and np.all(np.diff(s) <= 1)
+            starts = np.r_[True, s[1:] != s[:-1]]
+            assert np.all(pos[r, :n][starts] == 0), "positions restart per segment"
+            assert np.all(np.diff(pos[r, :n])[~starts[1:]] == 1)
+        # loss mask rule: target real and (same segment or input is EOS)
+        nxt_seg = np.concatenate([seg[:, 1:], np.zeros_like(seg[:, :1])], axis=1)
+        same = (nxt_seg == seg) & (seg > 0)
+        assert np.all(b["loss_mask"][same | (b["inputs"] == eos) & (b["loss_mask"] > 0)] == 1)
+        assert np.all(b["loss_mask"][seg == 0] == 0)
+
+
+def host_docs(cfg, p, pc):
+    _, records = open_split(cfg, "train")
+    order = HostOrder(len(records), cfg.seed, p, pc, num_epochs=1)
+    return records, [order[k] for k in range(len(order))]
+
+
+def test_concat_every_token_of_an_epoch_exactly_once():
+    cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=4, seq_len=128)
+    records, order = host_docs(cfg, 0, 1)
+    stream = np.concatenate([records[i] for i in order]).astype(np.int32)
+    rows = [np.c_[b["inputs"], b["targets"][:, -1:]] for b in make_train_iterator(
+        cfg, process_index=0, process_count=1)]
+    got = np.concatenate(rows).ravel()
+    width = cfg.global_batch_size * (cfg.seq_len + 1)
+    assert len(got) == len(stream) // width * width  # only the last partial batch is dropped
+    np.testing.assert_array_equal(got, stream[: len(got)])
+
+
+def test_first_fit_places_every_document_once(monkeypatch):
+    cfg = builtin_config(packing="first_fit", num_epochs=1, seq_len=128)
+    records, order = host_docs(cfg, 0, 1)
+    rows = []
+    to_batch = packing_lib.to_batch
+
+    def spy(tok, seg, pos, eos):  # the packed rows of seq_len + 1, before the input/target split
+        rows.append((tok.copy(), seg.copy()))
+        return to_batch(tok, seg, pos, eos)
+
+    monkeypatch.setattr(packing_lib, "to_batch", spy)
+    batches = list(make_train_iterator(cfg, process_index=0, process_count=1))
+    assert len(batches) == len(rows) > 0
+    pieces = [tuple(tok[r][seg[r] == s]) for tok, seg in rows for r in range(len(tok))
+              for s in range(1, seg[r].max() + 1)]
+    width = cfg.seq_len + 1
+    expected = [tuple(records[i][j:j + width]) for i in order
+                for j in range(0, len(records[i]), width)]
+    assert sorted(pieces) == sorted(expected), "every document (piece) exactly once"
+    fill = np.mean([(seg > 0).mean() for _, seg in rows[:-1]])
+    assert fill > 0.9, f"first-fit rows should be well filled, got {fill:.2f}"
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_determinism_seed_and_throughput_settings(packing):
+    cfg = builtin_config(packing=packing)
+    a = take(make_train_iterator(cfg, process_index=0, process_count=1), 4)
+    b = take(make_train_iterator(dataclasses.replace(cfg, num_threads=1, prefetch=3),
+                                 process_index=0, process_count=1), 4)
+    assert_batches_equal(a, b)
+    c = take(make_train_iterator(dataclasses.replace(cfg, seed=1), process_index=0,
+                                 process_count=1), 4)
+    assert not np.array_equal(a[0]["inputs"], c[0]["inputs"])
+
+
+def test_epochs_are_reshuffled_and_hosts_disjoint():
+    cfg = builtin_config()
+    n = len(open_split(cfg, "train")[1])
+    single = HostOrder(n, cfg.seed, 0, 1, None)
+    epoch0 = single.lookup(np.arange(n))
+    epoch1 = single.lookup(np.arange(n, 2 * n))
+    assert sorted(epoch0) == list(range(n)) == sorted(epoch1)
+    assert not np.array_equal(epoch0, epoch1), "each epoch has its own permutation"
+    hosts = [HostOrder(n, cfg.seed, p, 4, 1) for p in range(4)]
+    parts = [h.lookup(np.arange(len(h))) for h in hosts]
+    union = np.concatenate(parts)
+    assert len(union) == n and len(set(union.tolist())) == n, "no document twice, none skipped"
+    assert set(union.tolist()) == set(epoch0.tolist())
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_per_host_batches_and_rows():
+    cfg = builtin_config()
+    batches = [next(make_train_iterator(cfg, process_index=p, process_count=4)) for p in range(4)]
+    assert all(b["inputs"].shape == (cfg.global_batch_size // 4, cfg.seq_len) for b in batches)
+    assert len({b["inputs"].tobytes() for b in batches}) == 4
+    with pytest.raises(ValueError, match="global_batch_size=8 is not divisible by process_count=3"):
+        make_train_iterator(cfg, process_index=0, process_count=3)
+
+
+def test_corpus_smaller_than_one_batch_is_an_error():
+    cfg = builtin_config(seq_len=4096, global_batch_size=512)
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        make_train_iterator(cfg, process_index=0, process_count=1)
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_start_step_fallback_is_deterministic_and_not_a_restart(packing):
+    cfg = builtin_config(packing=packing)
+    it = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
+    info = load_manifest(cfg.data_dir)["splits"]["train"]
+    expected = int(50 * cfg.global_batch_size * (cfg.seq_len + 1)
+                   // (info["tokens"] / info["documents"]))
+    assert it.get_state()["doc"] == expected > 0
+    again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
+    assert_batches_equal(take(it, 2), take(again, 2))
+
+
+_RESUME = textwrap.dedent("""
+    import dataclasses, json, sys
+    import numpy as np, grain, orbax.checkpoint as ocp
+    from ode_lm.data import DataConfig, make_train_iterator
+    cfg = DataConfig(**json.loads(sys.argv[1]))
+    mode, ckpt, out, k = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    it = make_train_iterator(cfg, process_index=0, process_count=1)
+    mngr = ocp.CheckpointManager(ckpt, item_names=("data",))
+    if mode == "restore":
+        mngr.restore(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
+    batches = [next(it) for _ in range(k)]
+    if mode == "save":
+        mngr.save(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        mngr.wait_until_finished()
+    np.savez(out, **{f"{i}_{key}": v for i, b in enumerate(batches) for key, v in b.items()})
+""")
+
+
+def run_resume_script(cfg, mode, ckpt, out, k):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    subprocess.run([sys.executable, "-c", _RESUME, json.dumps(args), mode, str(ckpt), str(out),
+                    str(k)], check=True, env=env, timeout=240)
+    data = np.load(out)
+    return [{key: data[f"{i}_{key}"] for key in ("inputs", "targets", "segment_ids", "positions",
+                                                  "loss_mask")} for i in range(k)]
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_exact_resume_in_a_fresh_process(packing, tmp_path):
+    cfg = builtin_config(packing=packing, prefetch=2)
+    k = 6
+    reference = take(make_train_iterator(cfg, process_index=0, process_count=1), 2 * k)
+    first = run_resume_script(cfg, "save", tmp_path / "ckpt", tmp_path / "a.npz", k)
+    second = run_resume_script(cfg, "restore", tmp_path / "ckpt", tmp_path / "b.npz", k)
+    assert_batches_equal(first + second, reference)
+
+
+def test_to_global_batch_shards_over_activation_batch():
+    import jax
+
+    cfg = builtin_config()
+    batch = next(make_train_iterator(cfg, process_index=0, process_count=1))
+    devices = np.array(jax.devices()[:8]).reshape(2, 4, 1)
+    mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
+    out = to_global_batch(batch, mesh)
+    for k, v in out.items():
+        assert v.shape == batch[k].shape and v.dtype == batch[k].dtype
+        assert v.sharding.spec[0] == ("data", "fsdp")
+        np.testing.assert_array_equal(np.asarray(v), batch[k])
+    assert len(out["inputs"].addressable_shards) == 8
