@@ -12,6 +12,9 @@ import dataclasses
 FLAVOURS = ("gpt2", "llama", "neox")
 ARCHITECTURES = ("ode", "sequential", "parallel")
 SOLVERS = ("euler", "midpoint", "rk4")
+DTYPES = ("float32", "bfloat16")
+REMAT = ("none", "full", "dots_saveable")
+WEIGHT_GENERATION = ("in_scan", "precompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,24 @@ class ModelConfig:
             )
         if self.num_steps <= 0:
             raise ValueError(f"ModelConfig.num_steps={self.num_steps}: must be >= 1")
+        for name, allowed in (("dtype", DTYPES), ("remat", REMAT),
+                              ("weight_generation", WEIGHT_GENERATION)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r}: expected one of {allowed}"
+                )
+        for name in ("vocab_size", "d_model", "num_heads", "max_seq_len", "time_embed_dim",
+                     "sinusoidal_dim", "num_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name}={getattr(self, name)}: must be >= 1")
+        if self.mlp_dim is not None and self.mlp_dim <= 0:
+            raise ValueError(f"ModelConfig.mlp_dim={self.mlp_dim}: must be >= 1 or None")
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise ValueError(
+                f"ModelConfig.rotary_fraction={self.rotary_fraction}: must be in (0, 1]"
+            )
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"ModelConfig.dropout_rate={self.dropout_rate}: must be in [0, 1)")
 
     @property
     def head_dim(self) -> int:

@@ -1,0 +1,162 @@
+"""DiffEqFormer language model: embed → ODE solve of dx/dt = f(x, t) on [0, 1] → norm → head.
+
+The number of solver steps N is a per-call setting, not a parameter count. Pieces exposed for
+analysis (Jacobians, trajectories, spectra) and for export:
+- ``embed(tokens, positions)`` → x₀ (float32 [B, T, E]);
+- ``vector_field(x, t, positions, segment_ids)`` → f(x, t), a pure function of x and t;
+- ``logits(x)`` → float32 [B, T, V] (final norm + head);
+- ``weights_at(t)`` → the static block weights at depth t (see vector_field.py for layout);
+- ``trajectory(tokens, ...)`` → [N+1, B, T, E] solver states.
+
+The ODE state x stays float32 (the solver accumulates dt·f into it); the branches compute in
+``config.dtype``. Randomness (dropout, random grid offset) is drawn from ``rngs.dropout()``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ode_lm.models import solvers
+from ode_lm.models.common import attention_mask, default_inputs, remat_policy
+from ode_lm.models.config import ModelConfig
+from ode_lm.models.embeddings import Embeddings, Head
+from ode_lm.models.vector_field import BlockWeights, TemporalBlock, parallel_residual
+
+
+class DiffEqFormer(nnx.Module):
+    """The Neural ODE transformer of the paper (``architecture='ode'``)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        if config.architecture != "ode":
+            raise ValueError(
+                f"DiffEqFormer: ModelConfig.architecture={config.architecture!r}, expected 'ode'"
+            )
+        self.config = config
+        self.embeddings = Embeddings(config, rngs)
+        self.block = TemporalBlock(config, rngs)
+        self.head = Head(config, rngs)
+
+    # ---- pieces -------------------------------------------------------------------------------
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        positions, _ = default_inputs(tokens, positions, None)
+        return self.embeddings(tokens, positions)
+
+    def weights_at(self, t: jax.Array | float) -> BlockWeights:
+        return self.block.weights(t)
+
+    def vector_field(
+        self,
+        x: jax.Array,
+        t: jax.Array | float,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        weights: BlockWeights | None = None,
+        dropout_key: jax.Array | None = None,
+    ) -> jax.Array:
+        """f(x, t) = Attn_t(Norm1_t(x)) + MLP_t(Norm2_t(x)), float32 [B, T, E]."""
+        positions, segment_ids = default_inputs(x[..., 0], positions, segment_ids)
+        w = self.block.weights(t) if weights is None else weights
+        return parallel_residual(self.config, w, x, positions, attention_mask(segment_ids),
+                                 dropout_key)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        return self.head(x, self.embeddings)
+
+    # ---- the solve ----------------------------------------------------------------------------
+    def solve(
+        self,
+        x0: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        num_steps: int | None = None,
+        solver: str | None = None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+        return_trajectory: bool = False,
+    ):
+        """x_N (and the trajectory) of the ODE started at x0 = embed(tokens)."""
+        cfg = self.config
+        num_steps = cfg.num_steps if num_steps is None else num_steps
+        solver = cfg.solver if solver is None else solver
+        solvers.check_solver(solver)
+        if not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"DiffEqFormer: num_steps={num_steps!r} must be a positive int")
+        dt = 1.0 / num_steps
+        mask = attention_mask(segment_ids)
+        needs_dropout = not deterministic and cfg.dropout_rate > 0
+        needs_offset = not deterministic and cfg.random_grid_offset
+        if (needs_dropout or needs_offset) and rngs is None:
+            raise ValueError("DiffEqFormer: deterministic=False with dropout_rate > 0 or "
+                             "random_grid_offset needs rngs=nnx.Rngs(dropout=...)")
+        offset = 0.0
+        if needs_offset:
+            u = jax.random.uniform(rngs.dropout(), (), minval=0.0, maxval=dt)
+            # Euler evaluates at t_{k+1} - u ∈ [t_k, t_{k+1}); RK stages shift by u - dt/2.
+            offset = -u if solver == "euler" else u - dt / 2
+        keys = jax.random.split(rngs.dropout(), num_steps) if needs_dropout else None
+
+        step_inputs = {}
+        if cfg.weight_generation == "precompute":
+            times = solvers.evaluation_times(num_steps, solver) + offset
+            step_inputs["w"] = jax.vmap(jax.vmap(self.block.weights))(times)
+        if keys is not None:
+            step_inputs["key"] = keys
+
+        def f(x, t, inp=None, stage=0):
+            w = self.block.weights(t) if "w" not in step_inputs else jax.tree.map(
+                lambda a: a[stage], inp["w"])
+            key = None if keys is None else jax.random.fold_in(inp["key"], stage)
+            return parallel_residual(cfg, w, x, positions, mask, key)
+
+        return solvers.solve(
+            f, x0, num_steps=num_steps, solver=solver, time_offset=offset,
+            step_inputs=step_inputs or None, return_trajectory=return_trajectory,
+            remat=remat_policy(cfg.remat),
+        )
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        num_steps: int | None = None,
+        solver: str | None = None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
+        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
+        x0 = self.embeddings(tokens, positions)
+        x = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
+                       deterministic=deterministic, rngs=rngs)
+        return self.logits(x)
+
+    def trajectory(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        num_steps: int | None = None,
+        solver: str | None = None,
+    ) -> jax.Array:
+        """Solver states [N+1, B, T, E] (x₀ first), deterministic."""
+        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
+        x0 = self.embeddings(tokens, positions)
+        _, traj = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
+                             return_trajectory=True)
+        return traj
+
+
+def weights_at(model: DiffEqFormer, t: jax.Array | float) -> BlockWeights:
+    """Static block weights at depth t: dict name → float32 array (layout in vector_field.py).
+
+    Accepts a scalar t; vmap it for many t (``jax.vmap(lambda t: weights_at(model, t))``).
+    """
+    if not isinstance(model, DiffEqFormer):
+        raise TypeError(f"weights_at: expected a DiffEqFormer, got {type(model).__name__}")
+    return model.weights_at(jnp.asarray(t, jnp.float32))

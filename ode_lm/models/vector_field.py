@@ -1,0 +1,207 @@
+"""The DiffEqFormer vector field f(x, t) = Attn_t(Norm1_t(x)) + MLP_t(Norm2_t(x)).
+
+A block is described by a flat dict of *static* weights (``BlockWeights``); the names, shapes
+and logical axes per flavour come from ``weight_spec``. ``TemporalBlock.weights(t)`` generates
+that dict for a depth t; ``parallel_residual`` / ``attention_branch`` / ``mlp_branch`` apply
+it. The discrete baselines and the materialised model hold the same dict stacked over layers,
+so every model runs exactly the same block code.
+
+Weight layout (E = d_model, H = heads, Dh = head_dim, F = mlp width):
+  norm1_scale, norm2_scale  [E]            norm1_bias, norm2_bias [E]   (gpt2, neox)
+  qkv_kernel  [E, 3, H, Dh]                qkv_bias  [3, H, Dh]         (gpt2, neox)
+  out_kernel  [H, Dh, E]                   out_bias  [E]                (gpt2, neox)
+  mlp_in_kernel [E, F]                     mlp_in_bias [F]              (gpt2, neox)
+  mlp_gate_kernel, mlp_up_kernel [E, F]                                 (llama: SwiGLU)
+  mlp_out_kernel [F, E]                    mlp_out_bias [E]             (gpt2, neox)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ode_lm.models.common import (
+    BATCH_LENGTH_EMBED,
+    BATCH_LENGTH_HEADS_KV,
+    BATCH_LENGTH_MLP,
+    apply_norm,
+    apply_rotary,
+    attention,
+    compute_dtype,
+    constrain,
+    rotary_dim,
+    tag,
+)
+from ode_lm.models.config import ModelConfig
+from ode_lm.models.temporal import TemporalDense, TemporalNorm
+from ode_lm.models.time_embedding import time_features
+
+BlockWeights = dict[str, jax.Array]
+
+# Output projections of the two branches: the ones `materialize` scales by dt.
+OUTPUT_PROJECTIONS = ("out_kernel", "out_bias", "mlp_out_kernel", "mlp_out_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseSpec:
+    """One (time-dependent) linear map: kernel in+out, optional bias over out."""
+
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    in_axes: tuple[str, ...]
+    out_axes: tuple[str, ...]
+    use_bias: bool
+    output_projection: bool
+
+
+def dense_specs(config: ModelConfig) -> dict[str, DenseSpec]:
+    """The linear maps of one block, keyed by layer name (kernel name = name + '_kernel')."""
+    e, h, dh, f = config.d_model, config.num_heads, config.head_dim, config.hidden_dim
+    bias = config.flavour != "llama"
+    specs = {
+        "qkv": DenseSpec((e,), (3, h, dh), ("embed",), ("qkv", "heads", "kv"), bias, False),
+        "out": DenseSpec((h, dh), (e,), ("heads", "kv"), ("embed",), bias, True),
+    }
+    if config.flavour == "llama":
+        specs["mlp_gate"] = DenseSpec((e,), (f,), ("embed",), ("mlp",), False, False)
+        specs["mlp_up"] = DenseSpec((e,), (f,), ("embed",), ("mlp",), False, False)
+    else:
+        specs["mlp_in"] = DenseSpec((e,), (f,), ("embed",), ("mlp",), True, False)
+    specs["mlp_out"] = DenseSpec((f,), (e,), ("mlp",), ("embed",), bias, True)
+    return specs
+
+
+def weight_spec(config: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    """Every entry of a block's weight dict: name -> (shape, logical axes)."""
+    out: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {}
+    norm_bias = config.flavour != "llama"
+    for n in ("norm1", "norm2"):
+        out[f"{n}_scale"] = ((config.d_model,), ("norm",))
+        if norm_bias:
+            out[f"{n}_bias"] = ((config.d_model,), ("norm",))
+    for name, s in dense_specs(config).items():
+        out[f"{name}_kernel"] = (s.in_shape + s.out_shape, s.in_axes + s.out_axes)
+        if s.use_bias:
+            out[f"{name}_bias"] = (s.out_shape, s.out_axes)
+    return out
+
+
+def kernel_std(config: ModelConfig, name: str, num_layers: int | None = None) -> float:
+    """Baseline kernel init: N(0, init_std²); with ``num_layers`` the residual output
+    projections are scaled by 1/sqrt(2L) as in GPT-2 (the ODE's dt plays that role)."""
+    if num_layers and dense_specs(config)[name].output_projection:
+        return config.init_std / (2 * num_layers) ** 0.5
+    return config.init_std
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure block functions.
+# ---------------------------------------------------------------------------------------------
+
+
+def _dense(x, w: BlockWeights, name: str, subscripts: str, cdt):
+    y = jnp.einsum(subscripts, x.astype(cdt), w[f"{name}_kernel"].astype(cdt))
+    b = w.get(f"{name}_bias")
+    return y if b is None else y + b.astype(cdt)
+
+
+def attention_branch(config: ModelConfig, w: BlockWeights, h, positions, mask):
+    """Attn(h): h [B, T, E] (normalised) → [B, T, E] in compute dtype."""
+    cdt = compute_dtype(config)
+    qkv = _dense(h, w, "qkv", "bte,eshd->btshd", cdt)  # s = the fused q/k/v axis
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    rot = rotary_dim(config)
+    q = apply_rotary(q, positions, rot, config.rope_theta)
+    k = apply_rotary(k, positions, rot, config.rope_theta)
+    q = tag(constrain(q, BATCH_LENGTH_HEADS_KV), "q")
+    k = tag(constrain(k, BATCH_LENGTH_HEADS_KV), "k")
+    v = tag(constrain(v, BATCH_LENGTH_HEADS_KV), "v")
+    ctx = tag(attention(q, k, v, mask), "attn_context")
+    return tag(_dense(ctx, w, "out", "bthd,hde->bte", cdt), "attn_out")
+
+
+def mlp_branch(config: ModelConfig, w: BlockWeights, h):
+    """MLP(h): GELU (tanh for GPT-2, exact for NeoX) or SwiGLU (Llama)."""
+    cdt = compute_dtype(config)
+    if config.flavour == "llama":
+        gate = tag(_dense(h, w, "mlp_gate", "bte,ef->btf", cdt), "mlp_gate")
+        up = tag(_dense(h, w, "mlp_up", "bte,ef->btf", cdt), "mlp_pre")
+        act = jax.nn.silu(gate) * up
+    else:
+        pre = tag(_dense(h, w, "mlp_in", "bte,ef->btf", cdt), "mlp_pre")
+        act = jax.nn.gelu(pre, approximate=config.flavour == "gpt2")
+    act = tag(constrain(act, BATCH_LENGTH_MLP), "mlp_act")
+    return tag(_dense(act, w, "mlp_out", "btf,fe->bte", cdt), "mlp_out")
+
+
+def _norm(config: ModelConfig, w: BlockWeights, n: str, x):
+    h = apply_norm(config, x, w[f"{n}_scale"], w.get(f"{n}_bias"))
+    return tag(h.astype(compute_dtype(config)), f"{n}_out")
+
+
+def _dropout(y, rate: float, key):
+    if key is None or rate <= 0.0:
+        return y
+    keep = jax.random.bernoulli(key, 1.0 - rate, y.shape)
+    return jnp.where(keep, y / (1.0 - rate), 0).astype(y.dtype)
+
+
+def parallel_residual(config: ModelConfig, w: BlockWeights, x, positions, mask, dropout_key=None):
+    """f(x) = Attn(Norm1(x)) + MLP(Norm2(x)) in float32, [B, T, E] → [B, T, E]."""
+    x = constrain(x, BATCH_LENGTH_EMBED)
+    k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+    a = _dropout(attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask),
+                 config.dropout_rate, k1)
+    m = _dropout(mlp_branch(config, w, _norm(config, w, "norm2", x)), config.dropout_rate, k2)
+    return constrain(a.astype(jnp.float32) + m.astype(jnp.float32), BATCH_LENGTH_EMBED)
+
+
+def sequential_residual(config: ModelConfig, w: BlockWeights, x, positions, mask,
+                        dropout_key=None):
+    """A pre-norm GPT-2/Llama block: x + Attn(Norm1(x)), then + MLP(Norm2(·))."""
+    x = constrain(x, BATCH_LENGTH_EMBED)
+    k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
+    a = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask)
+    x = x + _dropout(a, config.dropout_rate, k1).astype(jnp.float32)
+    m = mlp_branch(config, w, _norm(config, w, "norm2", x))
+    return constrain(x + _dropout(m, config.dropout_rate, k2).astype(jnp.float32),
+                     BATCH_LENGTH_EMBED)
+
+
+# ---------------------------------------------------------------------------------------------
+# The time-dependent block: generates BlockWeights for a depth t.
+# ---------------------------------------------------------------------------------------------
+
+
+class TemporalBlock(nnx.Module):
+    """One hypernetwork per weight matrix and per norm (each with its own time MLP g)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        self.config = config
+        norm_bias = config.flavour != "llama"
+        self.norm1 = TemporalNorm(config, use_bias=norm_bias, rngs=rngs)
+        self.norm2 = TemporalNorm(config, use_bias=norm_bias, rngs=rngs)
+        self.layers = nnx.Dict({
+            name: TemporalDense(config, s.in_shape, s.out_shape, s.in_axes, s.out_axes,
+                                use_bias=s.use_bias, std=kernel_std(config, name), rngs=rngs)
+            for name, s in dense_specs(config).items()
+        })
+
+    def weights(self, t: jax.Array | float) -> BlockWeights:
+        """The static block weights at depth t (float32, shapes per ``weight_spec``)."""
+        feats = time_features(self.config, t)
+        w: BlockWeights = {}
+        for n in ("norm1", "norm2"):
+            scale, bias = getattr(self, n).generate(feats)
+            w[f"{n}_scale"] = scale
+            if bias is not None:
+                w[f"{n}_bias"] = bias
+        for name, layer in self.layers.items():
+            kernel, bias = layer.generate(feats)
+            w[f"{name}_kernel"] = kernel
+            if bias is not None:
+                w[f"{name}_bias"] = bias
+        return w
