@@ -111,7 +111,7 @@ def make_train_step(
             zeros = jax.tree.map(jnp.zeros_like, params)
             (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), (micro, jnp.arange(k)))
 
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = spec.tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
@@ -128,7 +128,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
-            "param_norm": optax.global_norm(new_state["params"]),
+            "param_norm": optax.tree.norm(new_state["params"]),
             "learning_rate": schedule(step),
             "skipped_steps": new_state["skipped"],
             "bad_streak": new_state["bad_streak"],

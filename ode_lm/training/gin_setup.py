@@ -1,0 +1,131 @@
+"""Gin wiring (t5x style): configurable classes, the ``train`` entry and flag parsing.
+
+Flags: ``--gin_file=F`` (repeatable), ``--gin_bindings='A.b = 1'`` (repeatable),
+``--gin.NAME=VALUE`` (shorthand for a binding; a bare word VALUE is taken as a string) and
+``--gin_search_paths=a,b``. Files are parsed first in order, then bindings in order, so
+later ones win. The package's ``configs/`` directory is always on the search path.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import os
+import pathlib
+from collections.abc import Sequence
+
+import gin
+
+from ode_lm.data.config import DataConfig
+from ode_lm.models.config import ModelConfig
+from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.optim import OptimizerConfig
+from ode_lm.training.step import StepConfig
+from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer, TrainResult
+
+CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+def _register(cls):
+    try:
+        return gin.external_configurable(cls, module="ode_lm")
+    except ValueError:  # already registered (module re-imported in tests)
+        return gin.get_configurable(cls.__name__)
+
+
+GinModelConfig = _register(ModelConfig)
+GinDataConfig = _register(DataConfig)
+GinOptimizerConfig = _register(OptimizerConfig)
+GinStepConfig = _register(StepConfig)
+GinCheckpointConfig = _register(CheckpointConfig)
+GinMeshConfig = _register(MeshConfig)
+GinTrainConfig = _register(TrainConfig)
+
+
+@dataclasses.dataclass
+class GinFlags:
+    files: list[str] = dataclasses.field(default_factory=list)
+    bindings: list[str] = dataclasses.field(default_factory=list)
+    search_paths: list[str] = dataclasses.field(default_factory=list)
+    rest: list[str] = dataclasses.field(default_factory=list)
+
+
+def _binding_value(value: str) -> str:
+    """Keep gin literals/references; quote a bare word so --gin.MODEL_DIR=/tmp/x works."""
+    stripped = value.strip()
+    if stripped[:1] in "@%([{'\"" or stripped in ("True", "False", "None"):
+        return stripped
+    try:
+        ast.literal_eval(stripped)
+        return stripped
+    except (ValueError, SyntaxError):
+        return repr(stripped)
+
+
+def parse_flags(argv: Sequence[str]) -> GinFlags:
+    """Split argv into gin files, bindings and search paths (other flags are returned)."""
+    flags = GinFlags()
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, eq, value = arg.partition("=")
+        if not eq and name in ("--gin_file", "--gin_bindings", "--gin_search_paths"):
+            if i + 1 >= len(args):
+                raise ValueError(f"flag {name} needs a value")
+            i += 1
+            value = args[i]
+        if name == "--gin_file":
+            flags.files.append(value)
+        elif name == "--gin_bindings":
+            flags.bindings.append(value)
+        elif name == "--gin_search_paths":
+            flags.search_paths.extend(p for p in value.split(",") if p)
+        elif name.startswith("--gin."):
+            if not eq:
+                raise ValueError(f"flag {arg!r}: expected --gin.NAME=VALUE")
+            flags.bindings.append(f"{name[len('--gin.'):]} = {_binding_value(value)}")
+        else:
+            flags.rest.append(arg)
+        i += 1
+    return flags
+
+
+def parse_gin(flags: GinFlags) -> None:
+    """Parse files then bindings; gin's error (unknown configurable/parameter) stops here."""
+    gin.clear_config()
+    for path in [*flags.search_paths, str(CONFIGS_DIR), os.getcwd()]:
+        gin.add_config_file_search_path(path)
+    for f in flags.files:
+        if not os.path.exists(f) and not any(
+            os.path.exists(os.path.join(p, f)) for p in [*flags.search_paths, str(CONFIGS_DIR)]
+        ):
+            raise FileNotFoundError(f"--gin_file={f}: no such file")
+    gin.parse_config_files_and_bindings(flags.files, flags.bindings, finalize_config=False)
+
+
+@gin.configurable("train", module="ode_lm")
+def train(
+    model_dir: str = gin.REQUIRED,
+    num_train_steps: int = gin.REQUIRED,
+    model: ModelConfig = gin.REQUIRED,
+    data: DataConfig = gin.REQUIRED,
+    report_unigram_entropy: bool = False,
+) -> TrainResult:
+    """Build everything from gin and run the loop. Returns the TrainResult."""
+    trainer = Trainer(
+        model_config=model,
+        data_config=data,
+        train_config=GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps),
+        optimizer_config=GinOptimizerConfig(),
+        step_config=GinStepConfig(),
+        checkpoint_config=GinCheckpointConfig(),
+        mesh_config=GinMeshConfig(),
+        operative_config=gin.operative_config_str,
+    )
+    result = trainer.run()
+    if report_unigram_entropy:
+        from ode_lm.training.corpus_stats import unigram_entropy
+
+        result.eval["data/unigram_entropy"] = unigram_entropy(data)
+    return result

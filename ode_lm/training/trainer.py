@@ -1,0 +1,393 @@
+"""The training loop: config → mesh → state → data → step → checkpoints + metrics.
+
+It reads top to bottom in that order and never branches on a mode. Fine-tuning reuses it
+by passing ``init_params_fn`` (e.g. load a pretrained run) and ``trainable`` (e.g. LoRA
+parameters only); depth sweeps, evaluation and export reuse the same pieces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from ode_lm import partitioning
+from ode_lm.models.config import ModelConfig
+from ode_lm.training import checkpoint as ckpt_lib
+from ode_lm.training import metrics as metrics_lib
+from ode_lm.training import state as state_lib
+from ode_lm.training import step as step_lib
+from ode_lm.training.optim import OptimizerConfig, make_optimizer
+
+log = logging.getLogger("ode_lm.train")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Loop settings (gin: ``TrainConfig.*``)."""
+
+    model_dir: str
+    num_train_steps: int
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate only after the last step
+    eval_num_steps: tuple[int, ...] = ()  # depth sweep: also eval at these ODE step counts
+    eval_solver: str | None = None  # solver for the eval and the depth sweep (None: model's)
+    max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
+    cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
+    sharding_tolerance: float = 0.05
+
+    def __post_init__(self):
+        if self.num_train_steps < 1:
+            raise ValueError(f"TrainConfig.num_train_steps={self.num_train_steps}: must be >= 1")
+        if self.log_every < 1:
+            raise ValueError(f"TrainConfig.log_every={self.log_every}: must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Mesh shape (gin: ``MeshConfig.*``); one -1 per tuple is filled in."""
+
+    ici_parallelism: tuple[int, int, int] = (1, -1, 1)
+    dcn_parallelism: tuple[int, int, int] = (1, 1, 1)
+    rule_overrides: tuple = ()  # ((logical axis, mesh axes), ...) replacing table entries
+
+
+@dataclasses.dataclass
+class TrainResult:
+    model_dir: str
+    step: int
+    first_loss: float | None
+    last_loss: float | None
+    eval: dict[str, float]
+    preempted: bool = False
+
+
+# The input side, injectable so fine-tuning or tests can bring their own batches.
+# train: (data_config, mesh, rules, start_step) -> (checkpointable iterator or None, batches)
+TrainData = Callable[..., tuple[Any, Iterator[dict]]]
+# eval: (data_config, mesh, rules) -> iterable of global batches (finite, loss-masked)
+EvalData = Callable[..., Any]
+
+
+def ensure_writable(model_dir: str) -> None:
+    """Fail early (before touching anything) when MODEL_DIR cannot be written."""
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+        probe = os.path.join(model_dir, f".write_probe_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"MODEL_DIR={model_dir!r} is not writable: {e.strerror}") from None
+
+
+def validate(model: ModelConfig, data: Any, step_cfg: step_lib.StepConfig, mesh) -> None:
+    """Configuration errors that would otherwise surface deep inside compilation."""
+    shards = partitioning.batch_shards(mesh)
+    batch = data.global_batch_size
+    if batch % shards:
+        raise ValueError(
+            f"DataConfig.global_batch_size={batch} is not divisible by data x fsdp = {shards} "
+            f"(mesh {dict(mesh.shape)})"
+        )
+    if batch % (shards * step_cfg.microbatches):
+        raise ValueError(
+            f"DataConfig.global_batch_size={batch} is not divisible by data x fsdp x "
+            f"StepConfig.microbatches = {shards * step_cfg.microbatches}"
+        )
+    if data.seq_len > model.max_seq_len:
+        raise ValueError(
+            f"DataConfig.seq_len={data.seq_len} exceeds the model's positions "
+            f"ModelConfig.max_seq_len={model.max_seq_len}"
+        )
+
+
+def default_model_fn(config: ModelConfig):
+    from ode_lm.models import build_model
+
+    return lambda rngs: build_model(config, rngs)
+
+
+def flops_per_token(config: ModelConfig, num_steps: int | None) -> float:
+    """Model FLOPs per trained token (fwd + bwd, weight generation included)."""
+    from ode_lm.models.accounting import flops_per_token as fpt
+
+    return float(fpt(config, num_steps or config.num_steps))
+
+
+class Trainer:
+    """Wires the pieces together. Build it, call ``run()``."""
+
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig,
+        data_config: Any,
+        train_config: TrainConfig,
+        optimizer_config: OptimizerConfig | None = None,
+        step_config: step_lib.StepConfig | None = None,
+        checkpoint_config: ckpt_lib.CheckpointConfig | None = None,
+        mesh_config: MeshConfig | None = None,
+        devices: list | None = None,
+        train_data: TrainData | None = None,
+        eval_data: EvalData | None = None,
+        model_fn: state_lib.ModelFn | None = None,
+        init_params_fn: state_lib.InitParamsFn | None = None,
+        trainable: state_lib.TrainablePredicate | None = None,
+        operative_config: Callable[[], str] | None = None,
+        print_fn: Callable[[str], None] = print,
+    ):
+        optimizer_config = optimizer_config or OptimizerConfig()
+        step_config = step_config or step_lib.StepConfig()
+        checkpoint_config = checkpoint_config or ckpt_lib.CheckpointConfig()
+        mesh_config = mesh_config or MeshConfig()
+        self.model_config = model_config
+        self.data_config = data_config
+        self.cfg = train_config
+        self.step_config = step_config
+        self.print = print_fn if jax.process_index() == 0 else (lambda _: None)
+        self.operative_config = operative_config
+        self.init_params_fn = init_params_fn
+        # 1. mesh
+        self.mesh = partitioning.create_mesh(
+            mesh_config.ici_parallelism, mesh_config.dcn_parallelism, devices
+        )
+        self.rules = partitioning.axis_rules(mesh_config.rule_overrides)
+        validate(model_config, data_config, step_config, self.mesh)
+        ensure_writable(train_config.model_dir)
+        # 2. abstract state and shardings
+        tx, self.schedule = make_optimizer(optimizer_config, train_config.num_train_steps)
+        self.spec = state_lib.build_state_spec(
+            model_fn or default_model_fn(model_config), tx, self.mesh, self.rules, trainable
+        )
+        table, per_device, total = partitioning.sharding_table(self.spec.abstract_params)
+        log.info("parameter sharding on mesh %s:\n%s", dict(self.mesh.shape), table)
+        self.sharding_table = table
+        partitioning.check_param_bytes(
+            per_device, total, self.mesh, train_config.sharding_tolerance
+        )
+        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
+        self.train_data = train_data or default_train_data
+        self.eval_data = eval_data or default_eval_data
+
+    # ------------------------------------------------------------------ pieces
+    def restore_or_init(self, data_iterator: Any) -> tuple[dict, bool]:
+        """Latest complete checkpoint onto this mesh, else init (or the injected params)."""
+        latest = self.checkpointer.latest_step()
+        if latest is not None:
+            state = self.checkpointer.restore(latest, self.spec.abstract_state, data_iterator)
+            return state, True
+        if self.init_params_fn is not None:
+            params = self.init_params_fn(self.spec.abstract_params)
+            return state_lib.state_from_params(self.spec, params, self.cfg.seed), False
+        return state_lib.init_state(self.spec, self.cfg.seed), False
+
+    def evaluate(self, params: Any, step: int) -> dict[str, float]:
+        """Exact token-weighted eval loss/perplexity, plus the depth sweep."""
+        results = {}
+        solver = self.cfg.eval_solver
+        for num_steps in (None, *self.cfg.eval_num_steps):
+            eval_step = step_lib.make_eval_step(self.spec, num_steps, solver)
+            loss_sum, tokens = 0.0, 0.0
+            with jax.set_mesh(self.mesh):
+                for batch in self.eval_data(self.data_config, self.mesh, self.rules):
+                    s, n = eval_step(params, batch)
+                    loss_sum += float(s)
+                    tokens += float(n)
+            if tokens == 0:
+                raise ValueError("the eval pipeline produced no counted tokens")
+            loss = loss_sum / tokens
+            suffix = "" if num_steps is None else f"@steps={num_steps}"
+            results[f"eval/loss{suffix}"] = loss
+            results[f"eval/perplexity{suffix}"] = math.exp(min(loss, 80.0))
+            if num_steps is None:
+                results["eval/tokens"] = tokens
+        return results
+
+    # -------------------------------------------------------------------- loop
+    def run(self) -> TrainResult:
+        cfg = self.cfg
+        # Refuse an incompatible checkpoint before writing anything into MODEL_DIR.
+        latest = self.checkpointer.latest_step()
+        if latest is not None:
+            self.checkpointer.check_compatible(latest, self.spec.abstract_state)
+        # 3. data, then state (the data iterator is restored with the state)
+        start_hint = latest or 0
+        data_iterator, batches = self.train_data(
+            self.data_config, self.mesh, self.rules, start_hint
+        )
+        state, resumed = self.restore_or_init(data_iterator)
+        start = int(jax.device_get(state["step"]))
+        if resumed and not self.checkpointer.data_restored(start):
+            log.warning("no data iterator state at step %d: using the step-derived position", start)
+        self._write_run_files()
+        writer = metrics_lib.create_writer(cfg.model_dir)
+        if self.operative_config is not None:
+            writer.write_texts(start, {"config": _markdown_code(self.operative_config())})
+        num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_params))
+        self.print(
+            f"{'resumed from' if resumed else 'initialised at'} step {start} | mesh "
+            f"{dict(self.mesh.shape)} | {num_params:,} parameters"
+        )
+        train_step = step_lib.jit_train_step(self.spec, self.schedule, self.step_config)
+        tokens_per_step = self.data_config.global_batch_size * self.data_config.seq_len
+        peak = metrics_lib.total_peak_flops(
+            list(self.mesh.devices.flat), self.model_config.dtype, cfg.cpu_peak_flops
+        )
+        fpt = _safe_flops_per_token(self.model_config, self.step_config.num_steps)
+        watcher = ckpt_lib.PreemptionWatcher().install()
+        result = TrainResult(cfg.model_dir, start, None, None, {})
+        window, window_steps, pending = None, 0, None
+        throughput = metrics_lib.Throughput()
+
+        def consume(step_done: int, outputs: dict) -> None:
+            """Host side of a finished step (read one step late)."""
+            nonlocal window, window_steps
+            outputs = jax.device_get(outputs)
+            loss = float(outputs["loss"])
+            if result.first_loss is None:
+                result.first_loss = loss
+            result.last_loss = loss
+            if int(outputs["bad_streak"]) >= cfg.max_bad_steps:
+                raise FloatingPointError(
+                    f"{int(outputs['bad_streak'])} consecutive steps had a NaN/Inf loss or "
+                    f"gradient (last at step {step_done}); aborting. Lower the learning rate or "
+                    "check the data."
+                )
+            window = metrics_lib.accumulate(window, outputs)
+            window_steps += 1
+            if step_done % cfg.log_every and step_done != cfg.num_train_steps:
+                return
+            values = {k: float(v) for k, v in window.compute().items()}
+            tok_s, step_time = throughput.lap(window_steps, window_steps * tokens_per_step)
+            mfu = metrics_lib.mfu(fpt, tok_s, peak)
+            scalars = {f"train/{k}": v for k, v in values.items()}
+            scalars.update({
+                "train/tokens_per_second": tok_s,
+                "train/step_time": step_time,
+                "train/tokens_seen": step_done * tokens_per_step,
+                "train/mfu": mfu,
+            })
+            writer.write_scalars(step_done, scalars)
+            eta = (cfg.num_train_steps - step_done) * step_time
+            self.print(metrics_lib.progress_line(
+                step_done, cfg.num_train_steps, values["loss"], tok_s, mfu, eta))
+            window, window_steps = None, 0
+
+        step = start
+        try:
+            with jax.set_mesh(self.mesh):
+                while step < cfg.num_train_steps:
+                    batch = next(batches)
+                    state, outputs = train_step(state, batch)
+                    if pending is not None:
+                        consume(*pending)
+                    step += 1
+                    pending = (step, outputs)
+                    self.checkpointer.save(step, state, data_iterator)
+                    if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
+                        consume(*pending)
+                        pending = None
+                        self._log_eval(writer, step, self.evaluate(state["params"], step))
+                    if watcher.should_stop(step):
+                        result.preempted = True
+                        break
+                if pending is not None:
+                    consume(*pending)
+                    pending = None
+            self.checkpointer.save(step, state, data_iterator, force=True)
+            self.checkpointer.wait()
+            result.step = step
+            if result.preempted:
+                self.print(f"preempted: saved step {step} to {self.checkpointer.directory}; "
+                           "rerun the same command to continue")
+            else:
+                result.eval = self.evaluate(state["params"], step)
+                self._log_eval(writer, step, result.eval)
+        finally:
+            watcher.uninstall()
+            writer.flush()
+            writer.close()
+            self.checkpointer.close()
+        self.state = state
+        return result
+
+    # ----------------------------------------------------------------- helpers
+    def _log_eval(self, writer, step: int, results: dict[str, float]) -> None:
+        writer.write_scalars(step, results)
+        shown = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "eval/tokens")
+        self.print(f"eval @ step {step} | {shown}")
+
+    def _write_run_files(self) -> None:
+        if jax.process_index() != 0:
+            return
+        ckpt_lib.save_model_config(self.cfg.model_dir, self.model_config)
+        if self.operative_config is not None:
+            path = os.path.join(self.cfg.model_dir, "config.gin")
+            with open(path + ".tmp", "w") as f:
+                f.write(self.operative_config())
+            os.replace(path + ".tmp", path)
+
+
+def _markdown_code(text: str) -> str:
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def _safe_flops_per_token(config: ModelConfig, num_steps: int | None) -> float:
+    try:
+        return flops_per_token(config, num_steps)
+    except ImportError:
+        log.warning("ode_lm.models.accounting not available: MFU reported as NaN")
+        return float("nan")
+
+
+# ----------------------------------------------------------------- default data
+
+
+def default_train_data(data_config: Any, mesh, rules, start_step: int):
+    """The grain train pipeline of ode_lm.data, as global arrays sharded over the batch."""
+    from ode_lm import data as data_lib
+
+    data_lib.ensure_prepared(data_config)
+    iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
+    sharding = partitioning.batch_sharding(mesh, rules)
+
+    def batches():
+        for host_batch in iterator:
+            yield data_lib.to_global_batch(host_batch, sharding)
+
+    return iterator, batches()
+
+
+def default_eval_data(data_config: Any, mesh, rules):
+    from ode_lm import data as data_lib
+
+    sharding = partitioning.batch_sharding(mesh, rules)
+    for host_batch in data_lib.make_eval_iterator(data_config):
+        yield data_lib.to_global_batch(host_batch, sharding)
+
+
+def restore_model(model_dir: str, step: int | None = None):
+    """(model, ModelConfig, step): the saved run's model with its parameters, on one CPU device.
+
+    Rebuilds from ``MODEL_DIR/model_config.json`` (no gin), restores parameters only, from a
+    checkpoint saved on any mesh. Analysis, export, sampling and fine-tuning start here.
+    """
+    from flax import nnx
+
+    config = ckpt_lib.load_model_config(model_dir)
+    device = jax.devices("cpu")[0]
+    mesh = partitioning.create_mesh((1, 1, 1), devices=[device])
+    rules = partitioning.axis_rules()
+    import optax
+
+    spec = state_lib.build_state_spec(default_model_fn(config), optax.identity(), mesh, rules)
+    params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
+    model = nnx.merge(spec.graphdef, nnx.State(params), spec.rest)
+    return model, config, step
