@@ -37,6 +37,11 @@ def check_solver(solver: str) -> None:
         raise ValueError(f"solver={solver!r}: expected one of {SOLVERS}")
 
 
+def _TIME_DTYPE():
+    """float32, or float64 when x64 is enabled (solver-order tests run in float64)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64)
+
+
 def _axpy(a, x, y):
     """y + a·x over pytrees."""
     return jax.tree.map(lambda xi, yi: (yi + a * xi).astype(yi.dtype), x, y)
@@ -75,7 +80,7 @@ def solve(
 
     def step(x, xs):
         k, inp = xs
-        tk = jnp.asarray(k, jnp.float32)
+        tk = jnp.asarray(k, _TIME_DTYPE())
 
         def time(c):
             return t0 + (tk + c) * dt + time_offset
