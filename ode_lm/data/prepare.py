@@ -66,7 +66,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
 def _write_atomic(path: epath.Path, data: str | bytes) -> None:
     tmp = path.parent / f"{path.name}.tmp{os.getpid()}"
     tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    tmp.rename(path)
+    tmp.replace(path)
 
 
 def _is_local(path: str | os.PathLike) -> bool:
@@ -85,7 +85,7 @@ def _write_shard(path: epath.Path, records: list[bytes]) -> int:
     writer.close()
     size = tmp.stat().length
     if _is_local(path):
-        tmp.rename(path)
+        tmp.replace(path)
     else:
         tmp.copy(path, overwrite=True)
         shutil.rmtree(local_dir, ignore_errors=True)
@@ -191,6 +191,8 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
     _check_settings(root, settings)
     if (root / MANIFEST).exists():
         return load_manifest(root)
+    for stray in list(root.glob("*.tmp*")) + list((root / "chunks").glob("*.tmp*")):
+        stray.unlink()  # left by an interrupted run; never referenced by a marker
     start = time.perf_counter()
     split_docs = lambda: sources_lib.iter_documents(  # noqa: E731
         cfg.source, text_field=cfg.text_field, text_delimiter=cfg.text_delimiter)
@@ -244,7 +246,7 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
     toks = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
     log(f"prepare: {num_docs} docs, {toks} tokens in {dt:.1f}s "
         f"({num_docs / dt:,.0f} docs/s, {toks / dt:,.0f} tokens/s) -> {root}")
-    return manifest
+    return load_manifest(root)
 
 
 def _assemble(cfg: DataConfig, tok: tok_lib.Tokenizer, dtype: str,

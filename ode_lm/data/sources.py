@@ -69,6 +69,15 @@ def is_builtin(spec: str) -> bool:
     return spec in ("builtin", "builtin:stdlib")
 
 
+def _walk(root: epath.Path) -> Iterator[str]:
+    """Recursive listing with ``iterdir`` (epath's GCS backend refuses ``**`` globs)."""
+    for p in root.iterdir():
+        if p.is_dir():
+            yield from _walk(p)
+        else:
+            yield os.fspath(p)
+
+
 def list_files(spec: str) -> list[str]:
     """The sorted files of a path/glob/dir spec; a one-line error when there are none."""
     files: list[str] = []
@@ -85,8 +94,7 @@ def list_files(spec: str) -> list[str]:
         if not path.exists():
             raise SourceError(f"source {part!r}: no such file or directory")
         if path.is_dir():
-            found = [os.fspath(p) for p in path.rglob("*") if p.is_file()
-                     and os.fspath(p).lower().endswith(ALL_EXTS)]
+            found = [f for f in _walk(path) if f.lower().endswith(ALL_EXTS)]
             if not found:
                 raise SourceError(f"source {part!r}: empty directory "
                                   f"(no {'/'.join(ALL_EXTS)} files)")

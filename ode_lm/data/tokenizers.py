@@ -212,7 +212,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, path: str | os.PathLike) ->
     out = epath.Path(path)
     tmp = out.parent / (out.name + ".tmp")
     tmp.write_text(tok.to_str())
-    tmp.rename(out)
+    tmp.replace(out)
     return os.fspath(out)
 
 

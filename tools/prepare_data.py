@@ -1,0 +1,55 @@
+"""Raw text -> tokenized ArrayRecord shards + manifest.json (idempotent, resumable).
+
+  python tools/prepare_data.py --source=builtin --tokenizer=bpe:4096 --data_dir=/tmp/owt
+  python tools/prepare_data.py --source='gs://bucket/owt/*.parquet' --tokenizer=tiktoken:gpt2 \\
+      --data_dir=gs://bucket/owt_gpt2 --num_proc=32
+
+Re-running skips finished chunks; an interrupted run resumes without duplicates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ode_lm.data.config import DataConfig, default_data_dir
+from ode_lm.data.prepare import PreparedDataError, prepare
+from ode_lm.data.sources import SourceError
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = DataConfig()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", default=d.source, help="builtin | paths/globs/dirs | tfds:<name>")
+    ap.add_argument("--data_dir", default=default_data_dir())
+    ap.add_argument("--tokenizer", default=d.tokenizer)
+    ap.add_argument("--text_field", default=d.text_field)
+    ap.add_argument("--text_delimiter", default=None,
+                    help="split .txt files into documents on this string (default: 1 per file)")
+    ap.add_argument("--non_utf8", choices=("replace", "skip"), default=d.non_utf8)
+    ap.add_argument("--holdout_fraction", type=float, default=d.holdout_fraction)
+    ap.add_argument("--holdout_seed", type=int, default=d.holdout_seed)
+    ap.add_argument("--docs_per_shard", type=int, default=d.docs_per_shard)
+    ap.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: all)")
+    ap.add_argument("--no_progress", action="store_true")
+    args = ap.parse_args(argv)
+    delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \
+        else None
+    try:
+        cfg = DataConfig(data_dir=args.data_dir, source=args.source, tokenizer=args.tokenizer,
+                         text_field=args.text_field, text_delimiter=delimiter,
+                         non_utf8=args.non_utf8, holdout_fraction=args.holdout_fraction,
+                         holdout_seed=args.holdout_seed, docs_per_shard=args.docs_per_shard)
+        m = prepare(cfg, num_proc=args.num_proc, progress=not args.no_progress)
+    except (SourceError, PreparedDataError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"prepare_data: error: {e}", file=sys.stderr)
+        return 2
+    for split, info in m["splits"].items():
+        print(f"{split}: {info['documents']} documents, {info['tokens']} tokens, "
+              f"{len(info['shards'])} shards")
+    print(f"manifest: {args.data_dir}/manifest.json (vocab {m['vocab_size']}, eos {m['eos_id']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
