@@ -1,0 +1,259 @@
+"""Autoregressive text generation with a KV cache per ODE solver evaluation.
+
+Why one cache slot per (step, stage): a solver step evaluates the vector field f at
+``stages`` states (Euler 1: x_k; midpoint 2: x_k and x_k + dt/2·k1; RK4 4: x_k, x_k + dt/2·k1,
+x_k + dt/2·k2, x_k + dt·k3), each at its own time with its own generated weights W(t). The
+attention inside each evaluation sees keys/values projected from *that* state, so a step
+with S stages needs S independent caches; M steps need M·S. The cache is therefore
+``[M, S, B, T_max, H, Dh]`` for keys and values: exactly the KV cache of an M·S-layer
+transformer. A materialised (discrete, parallel-block) model is the special case M = L
+layers, S = 1, dt = 1 (its output projections already hold dt).
+
+All weights W(t_{k,s}) are generated once per ``generate`` call, outside the token loop.
+Prompts are left-padded into one batch; padding keys are masked and positions count real
+tokens only, which is what the model sees for an unpadded prompt. The whole of ``generate``
+(prefill + decode loop) is one ``jax.jit``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ode_lm.models import solvers
+from ode_lm.models.common import apply_norm, apply_rotary, attention, compute_dtype, rotary_dim
+from ode_lm.models.config import ModelConfig
+from ode_lm.models.vector_field import mlp_branch
+
+
+def check_num_steps(num_steps: int | None, flag: str = "--num_steps") -> None:
+    if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
+        raise ValueError(f"{flag}={num_steps!r}: must be a positive number of solver steps")
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+def stage_weights(model: nnx.Module, num_steps: int, solver: str):
+    """(weights stacked [M, S, ...], dt, solver) the cached forward runs.
+
+    DiffEqFormer: W(t) at every evaluation time of the solver. Discrete parallel-block
+    models: their layer weights as M = L Euler steps with dt = 1.
+    """
+    from ode_lm.models.lm import DiffEqFormer
+
+    if isinstance(model, DiffEqFormer):
+        times = solvers.evaluation_times(num_steps, solver)
+        return jax.vmap(jax.vmap(model.weights_at))(times), 1.0 / num_steps, solver
+    layer_weights = getattr(model, "layer_weights", None)
+    if layer_weights is None or model.config.architecture != "parallel":
+        raise TypeError(
+            f"generation: {type(model).__name__} ({model.config.architecture}) is not supported; "
+            "use a DiffEqFormer or a materialised parallel-block model"
+        )
+    return jax.tree.map(lambda a: a[:, None], layer_weights()), 1.0, "euler"
+
+
+def init_cache(config: ModelConfig, num_steps: int, stages: int, batch: int, max_len: int):
+    shape = (num_steps, stages, batch, max_len, config.num_heads, config.head_dim)
+    zeros = jnp.zeros(shape, compute_dtype(config))
+    return {"k": zeros, "v": zeros}
+
+
+def _cached_attention(config, w, h, positions, index, ck, cv, key_valid):
+    """Attention for T_new tokens written at cache rows [index, index + T_new)."""
+    cdt = compute_dtype(config)
+    qkv = jnp.einsum("bte,eshd->btshd", h, w["qkv_kernel"].astype(cdt))
+    if "qkv_bias" in w:
+        qkv = qkv + w["qkv_bias"].astype(cdt)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    rot = rotary_dim(config)
+    q = apply_rotary(q, positions, rot, config.rope_theta)
+    k = apply_rotary(k, positions, rot, config.rope_theta)
+    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
+    t_new, t_max = h.shape[1], ck.shape[1]
+    q_idx = index + jnp.arange(t_new)[:, None]
+    k_idx = jnp.arange(t_max)[None, :]
+    visible = (k_idx <= q_idx)[None] & (key_valid[:, None, :] | (k_idx == q_idx)[None])
+    ctx = attention(q, ck, cv, visible[:, None])
+    out = jnp.einsum("bthd,hde->bte", ctx, w["out_kernel"].astype(cdt))
+    if "out_bias" in w:
+        out = out + w["out_bias"].astype(cdt)
+    return out, ck, cv
+
+
+def _vector_field(config, w, x, positions, index, ck, cv, key_valid):
+    """f(x) = Attn(Norm1(x)) + MLP(Norm2(x)) (same maths as vector_field.parallel_residual)."""
+    cdt = compute_dtype(config)
+    h1 = apply_norm(config, x, w["norm1_scale"], w.get("norm1_bias")).astype(cdt)
+    a, ck, cv = _cached_attention(config, w, h1, positions, index, ck, cv, key_valid)
+    h2 = apply_norm(config, x, w["norm2_scale"], w.get("norm2_bias")).astype(cdt)
+    m = mlp_branch(config, w, h2)
+    return a.astype(jnp.float32) + m.astype(jnp.float32), ck, cv
+
+
+def solve_cached(config, weights, dt, solver, x, positions, index, cache, key_valid):
+    """One pass of T_new tokens through every solver step, updating each stage's cache slot."""
+
+    def step(x, xs):
+        w, ck, cv = xs  # w: [S, ...]; ck, cv: [S, B, T_max, H, Dh]
+        cks, cvs = [], []
+
+        def f(state, s):
+            ws = jax.tree.map(lambda a: a[s], w)
+            out, k_s, v_s = _vector_field(config, ws, state, positions, index, ck[s], cv[s],
+                                          key_valid)
+            cks.append(k_s)
+            cvs.append(v_s)
+            return out
+
+        if solver == "euler":
+            x_new = x + dt * f(x, 0)
+        elif solver == "midpoint":
+            k1 = f(x, 0)
+            x_new = x + dt * f(x + dt / 2 * k1, 1)
+        else:
+            k1 = f(x, 0)
+            k2 = f(x + dt / 2 * k1, 1)
+            k3 = f(x + dt / 2 * k2, 2)
+            k4 = f(x + dt * k3, 3)
+            x_new = x + dt * ((k1 + 2 * k2 + 2 * k3 + k4) / 6)
+        return x_new, (jnp.stack(cks), jnp.stack(cvs))
+
+    x, (ck, cv) = jax.lax.scan(step, x, (weights, cache["k"], cache["v"]))
+    return x, {"k": ck, "v": cv}
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def sample_token(logits, key, temperature: float, top_p: float, vocab_limit: int | None):
+    """Greedy for temperature <= 0, else temperature + nucleus (top-p) sampling. [B, V] → [B]."""
+    logits = logits.astype(jnp.float32)
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
+    if temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+        sorted_logits = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[
+            jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, P], valid [B, P]) with every prompt right-aligned."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = np.full((len(prompts), width), pad_id, np.int32)
+    valid = np.zeros((len(prompts), width), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, width - len(p):] = p
+        valid[i, width - len(p):] = True
+    return tokens, valid
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "graphdef", "max_new_tokens", "num_steps", "solver", "temperature", "top_p", "vocab_limit"))
+def _generate(graphdef, state, tokens, valid, key, *, max_new_tokens, num_steps, solver,
+              temperature, top_p, vocab_limit):
+    model = nnx.merge(graphdef, state)
+    config = model.config
+    weights, dt, solver = stage_weights(model, num_steps, solver)
+    m, s = jax.tree.leaves(weights)[0].shape[:2]
+    b, p = tokens.shape
+    t_max = p + max_new_tokens
+    cache = init_cache(config, m, s, b, t_max)
+    key_valid = jnp.zeros((b, t_max), bool).at[:, :p].set(valid)
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0).astype(jnp.int32)
+
+    x = model.embed(tokens, positions)
+    x, cache = solve_cached(config, weights, dt, solver, x, positions, 0, cache, key_valid)
+    key, sub = jax.random.split(key)
+    first = sample_token(model.logits(x[:, -1:])[:, 0], sub, temperature, top_p, vocab_limit)
+    last_pos = positions[:, -1]
+
+    def body(i, carry):
+        out, cache, key_valid, key = carry
+        tok = out[:, i - 1][:, None]
+        pos = (last_pos + i)[:, None]
+        index = p + i - 1
+        key_valid = key_valid.at[:, index].set(True)
+        x = model.embed(tok, pos)
+        x, cache = solve_cached(config, weights, dt, solver, x, pos, index, cache, key_valid)
+        key, sub = jax.random.split(key)
+        nxt = sample_token(model.logits(x)[:, 0], sub, temperature, top_p, vocab_limit)
+        return out.at[:, i].set(nxt), cache, key_valid, key
+
+    out = jnp.zeros((b, max_new_tokens), jnp.int32).at[:, 0].set(first)
+    out, *_ = jax.lax.fori_loop(1, max_new_tokens, body, (out, cache, key_valid, key))
+    return out
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int = 32,
+    num_steps: int | None = None,
+    solver: str | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    vocab_limit: int | None = None,
+) -> np.ndarray:
+    """New tokens [B, max_new_tokens] for a batch of token-id prompts (KV-cached, jitted)."""
+    check_num_steps(num_steps)
+    if max_new_tokens <= 0:
+        raise ValueError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"--top_p={top_p}: must be in (0, 1]")
+    config = model.config
+    num_steps = config.num_steps if num_steps is None else num_steps
+    solver = config.solver if solver is None else solver
+    solvers.check_solver(solver)
+    tokens, valid = left_pad(prompts)
+    if tokens.shape[1] + max_new_tokens > config.max_seq_len and config.flavour == "gpt2":
+        raise ValueError(
+            f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the learned "
+            f"positions (max_seq_len={config.max_seq_len})"
+        )
+    graphdef, state = nnx.split(model)
+    out = _generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid),
+                    jax.random.key(seed), max_new_tokens=max_new_tokens, num_steps=num_steps,
+                    solver=solver, temperature=float(temperature), top_p=float(top_p),
+                    vocab_limit=vocab_limit)
+    return np.asarray(out)
+
+
+def greedy_uncached(model: nnx.Module, prompt: Sequence[int], max_new_tokens: int, *,
+                    num_steps: int | None = None, solver: str | None = None) -> np.ndarray:
+    """Reference decoding: the full forward over the whole sequence for every new token.
+
+    The sequence lives in a fixed [1, P + max_new_tokens] buffer (causal attention makes the
+    unused tail irrelevant to earlier positions), so the forward compiles once.
+    """
+    n = len(prompt)
+    buf = np.zeros((1, n + max_new_tokens), np.int32)
+    buf[0, :n] = prompt
+
+    @nnx.jit
+    def fwd(m, tokens):
+        return m(tokens, num_steps=num_steps, solver=solver)[0]
+
+    for i in range(max_new_tokens):
+        logits = fwd(model, jnp.asarray(buf))
+        buf[0, n + i] = int(jnp.argmax(logits[n + i - 1]))
+    return buf[0, n:].copy()
