@@ -1,0 +1,128 @@
+"""Discrete baselines built from the same block code as the ODE vector field.
+
+- ``SequentialLM`` (``architecture='sequential'``): pre-norm blocks x ← x + Attn(Norm1(x)),
+  x ← x + MLP(Norm2(x)). GPT-2 flavour is exactly GPT-2 (124,439,808 parameters for GPT-2
+  small); Llama flavour is a vanilla Llama (RMSNorm, RoPE, SwiGLU, untied head).
+- ``ParallelLM`` (``architecture='parallel'``): parallel blocks x ← x + Attn(Norm1(x)) +
+  MLP(Norm2(x)), i.e. one Euler step of the ODE with dt folded into the output projections.
+  It is what ``materialize`` returns, and with the NeoX flavour it is GPT-NeoX/Pythia.
+
+The L layers' weights are stacked on a leading ``layers`` axis (same names as the block
+weight dict of vector_field.py) and applied with a ``lax.scan`` under the same remat policy.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from ode_lm.models.common import (
+    attention_mask,
+    default_inputs,
+    make_param,
+    normal_init,
+    remat_policy,
+)
+from ode_lm.models.config import ModelConfig
+from ode_lm.models.embeddings import Embeddings, Head
+from ode_lm.models.vector_field import (
+    BlockWeights,
+    dense_specs,
+    kernel_std,
+    parallel_residual,
+    sequential_residual,
+    weight_spec,
+)
+
+
+def _init_for(config: ModelConfig, name: str, num_layers: int):
+    if name.endswith("_scale"):
+        return nnx.initializers.ones
+    if name.endswith("_bias"):
+        return nnx.initializers.zeros
+    layer = name[: -len("_kernel")]
+    residual_scaled = config.architecture == "sequential"
+    std = kernel_std(config, layer, num_layers if residual_scaled else None)
+    assert layer in dense_specs(config)
+    return normal_init(std)
+
+
+class StackedBlocks(nnx.Module):
+    """Static block weights for L layers: name → Param [L, *shape] with axes ('layers', ...)."""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        n = config.num_layers
+        self.weights = nnx.Dict({
+            name: make_param(rngs.params(), _init_for(config, name, n), (n,) + shape,
+                             ("layers",) + axes)
+            for name, (shape, axes) in weight_spec(config).items()
+        })
+
+    def stacked(self) -> BlockWeights:
+        return {name: p[...] for name, p in self.weights.items()}
+
+
+class _DiscreteLM(nnx.Module):
+    _architecture = ""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        if config.architecture != self._architecture:
+            raise ValueError(f"{type(self).__name__}: ModelConfig.architecture="
+                             f"{config.architecture!r}, expected {self._architecture!r}")
+        self.config = config
+        self.embeddings = Embeddings(config, rngs)
+        self.blocks = StackedBlocks(config, rngs)
+        self.head = Head(config, rngs)
+
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        positions, _ = default_inputs(tokens, positions, None)
+        return self.embeddings(tokens, positions)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        return self.head(x, self.embeddings)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        num_steps: int | None = None,
+        solver: str | None = None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
+    ) -> jax.Array:
+        """Logits float32 [B, T, V]; ``num_steps``/``solver`` are ignored (discrete depth)."""
+        del num_steps, solver
+        cfg = self.config
+        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
+        x = self.embeddings(tokens, positions)
+        mask = attention_mask(segment_ids)
+        residual = parallel_residual if cfg.architecture == "parallel" else sequential_residual
+        use_dropout = not deterministic and cfg.dropout_rate > 0
+        if use_dropout and rngs is None:
+            raise ValueError(f"{type(self).__name__}: deterministic=False with dropout_rate > 0 "
+                             "needs rngs=nnx.Rngs(dropout=...)")
+        keys = jax.random.split(rngs.dropout(), cfg.num_layers) if use_dropout else None
+
+        def layer(x, xs):
+            w, key = xs
+            if cfg.architecture == "parallel":
+                return x + residual(cfg, w, x, positions, mask, key), None
+            return residual(cfg, w, x, positions, mask, key), None
+
+        layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat))
+        x, _ = jax.lax.scan(layer, x, (self.blocks.stacked(), keys))
+        return self.logits(x)
+
+
+class SequentialLM(_DiscreteLM):
+    """Vanilla pre-norm transformer (GPT-2 / Llama)."""
+
+    _architecture = "sequential"
+
+
+class ParallelLM(_DiscreteLM):
+    """Parallel-block transformer (GPT-NeoX style); the family ``materialize`` returns."""
+
+    _architecture = "parallel"
