@@ -31,7 +31,9 @@ class StepConfig:
     microbatches: int = 1  # gradient accumulation
     num_steps: int | None = None  # ODE steps for training (None = the model's default)
     solver: str | None = None
-    dropout: bool = False  # stochastic forward pass with a per-step RNG
+    # Stochastic forward (dropout, random grid offset) with a per-step RNG; None: on when
+    # the model config asks for dropout or a random grid offset.
+    dropout: bool | None = None
 
 
 def token_loss_sums(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import numpy as np
 
 from ode_lm import partitioning
 from ode_lm.models.config import ModelConfig
@@ -145,6 +146,9 @@ class Trainer:
     ):
         optimizer_config = optimizer_config or OptimizerConfig()
         step_config = step_config or step_lib.StepConfig()
+        if step_config.dropout is None:
+            stochastic = model_config.dropout_rate > 0 or model_config.random_grid_offset
+            step_config = dataclasses.replace(step_config, dropout=stochastic)
         checkpoint_config = checkpoint_config or ckpt_lib.CheckpointConfig()
         mesh_config = mesh_config or MeshConfig()
         self.model_config = model_config
@@ -173,6 +177,8 @@ class Trainer:
             per_device, total, self.mesh, train_config.sharding_tolerance
         )
         self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
+        if train_data is None:
+            check_vocab(model_config, data_config)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
 
@@ -272,8 +278,9 @@ class Trainer:
                 "train/tokens_per_second": tok_s,
                 "train/step_time": step_time,
                 "train/tokens_seen": step_done * tokens_per_step,
-                "train/mfu": mfu,
             })
+            if math.isfinite(mfu):
+                scalars["train/mfu"] = mfu
             writer.write_scalars(step_done, scalars)
             eta = (cfg.num_train_steps - step_done) * step_time
             self.print(metrics_lib.progress_line(
@@ -350,27 +357,41 @@ def _safe_flops_per_token(config: ModelConfig, num_steps: int | None) -> float:
 # ----------------------------------------------------------------- default data
 
 
+def _global_batches(host_batches, sharding):
+    for host_batch in host_batches:
+        yield {
+            k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
+            for k, v in host_batch.items()
+        }
+
+
 def default_train_data(data_config: Any, mesh, rules, start_step: int):
     """The grain train pipeline of ode_lm.data, as global arrays sharded over the batch."""
     from ode_lm import data as data_lib
 
     data_lib.ensure_prepared(data_config)
     iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
-    sharding = partitioning.batch_sharding(mesh, rules)
-
-    def batches():
-        for host_batch in iterator:
-            yield data_lib.to_global_batch(host_batch, sharding)
-
-    return iterator, batches()
+    return iterator, _global_batches(iterator, partitioning.batch_sharding(mesh, rules))
 
 
 def default_eval_data(data_config: Any, mesh, rules):
+    """Every validation batch once (padded, loss-masked), as global arrays."""
     from ode_lm import data as data_lib
 
-    sharding = partitioning.batch_sharding(mesh, rules)
-    for host_batch in data_lib.make_eval_iterator(data_config):
-        yield data_lib.to_global_batch(host_batch, sharding)
+    iterator = data_lib.make_eval_iterator(data_config)
+    return _global_batches(iterator, partitioning.batch_sharding(mesh, rules))
+
+
+def check_vocab(model_config: ModelConfig, data_config: Any) -> None:
+    """The model's vocabulary must cover the prepared data's token ids."""
+    from ode_lm import data as data_lib
+
+    manifest = data_lib.ensure_prepared(data_config)
+    if manifest["vocab_size"] > model_config.vocab_size:
+        raise ValueError(
+            f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
+        )
 
 
 def restore_model(model_dir: str, step: int | None = None):
