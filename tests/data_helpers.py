@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import tempfile
+import textwrap
+
+import numpy as np
 
 from ode_lm.data import DataConfig, ensure_prepared
 
@@ -34,3 +40,43 @@ def small_texts(n: int = 60) -> list[str]:
     words = "ode vector field time embedding solver steps mesh shard token".split()
     return [" ".join(words[(i * 7 + j) % len(words)] for j in range(3 + (i * 13) % 40)) + f" #{i}"
             for i in range(n)]
+
+
+def take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def assert_batches_equal(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+_RESUME = textwrap.dedent("""
+    import dataclasses, json, sys
+    import numpy as np, grain, orbax.checkpoint as ocp
+    from ode_lm.data import DataConfig, make_train_iterator
+    cfg = DataConfig(**json.loads(sys.argv[1]))
+    mode, ckpt, out, k = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    it = make_train_iterator(cfg, process_index=0, process_count=1)
+    mngr = ocp.CheckpointManager(ckpt, item_names=("data",))
+    if mode == "restore":
+        mngr.restore(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
+    batches = [next(it) for _ in range(k)]
+    if mode == "save":
+        mngr.save(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+        mngr.wait_until_finished()
+    np.savez(out, **{f"{i}_{key}": v for i, b in enumerate(batches) for key, v in b.items()})
+""")
+
+
+def run_resume_script(cfg, mode, ckpt, out, k):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    subprocess.run([sys.executable, "-c", _RESUME, json.dumps(args), mode, str(ckpt), str(out),
+                    str(k)], check=True, env=env, timeout=240)
+    data = np.load(out)
+    return [{key: data[f"{i}_{key}"] for key in ("inputs", "targets", "segment_ids", "positions",
+                                                  "loss_mask")} for i in range(k)]

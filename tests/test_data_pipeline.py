@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
-from data_helpers import builtin_config
+from data_helpers import assert_batches_equal, builtin_config, run_resume_script, take
 
 from ode_lm.data import load_manifest, make_train_iterator, to_global_batch
 from ode_lm.data import packing as packing_lib
 from ode_lm.data.pipeline import HostOrder, open_split
 
 PACKINGS = ("concat", "first_fit")
-
-
-def take(it, n):
-    return [next(it) for _ in range(n)]
-
-
-def assert_batches_equal(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -154,34 +137,6 @@ def test_start_step_fallback_is_deterministic_and_not_a_restart(packing):
     assert it.get_state()["doc"] == expected > 0
     again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
     assert_batches_equal(take(it, 2), take(again, 2))
-
-
-_RESUME = textwrap.dedent("""
-    import dataclasses, json, sys
-    import numpy as np, grain, orbax.checkpoint as ocp
-    from ode_lm.data import DataConfig, make_train_iterator
-    cfg = DataConfig(**json.loads(sys.argv[1]))
-    mode, ckpt, out, k = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-    it = make_train_iterator(cfg, process_index=0, process_count=1)
-    mngr = ocp.CheckpointManager(ckpt, item_names=("data",))
-    if mode == "restore":
-        mngr.restore(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it)))
-    batches = [next(it) for _ in range(k)]
-    if mode == "save":
-        mngr.save(k, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
-        mngr.wait_until_finished()
-    np.savez(out, **{f"{i}_{key}": v for i, b in enumerate(batches) for key, v in b.items()})
-""")
-
-
-def run_resume_script(cfg, mode, ckpt, out, k):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    args = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-    subprocess.run([sys.executable, "-c", _RESUME, json.dumps(args), mode, str(ckpt), str(out),
-                    str(k)], check=True, env=env, timeout=240)
-    data = np.load(out)
-    return [{key: data[f"{i}_{key}"] for key in ("inputs", "targets", "segment_ids", "positions",
-                                                  "loss_mask")} for i in range(k)]
 
 
 @pytest.mark.parametrize("packing", PACKINGS)

@@ -13,7 +13,7 @@ PACKINGS = ("concat", "first_fit")
 
 
 def default_data_dir() -> str:
-    base = os.environ.get("ODE_LM_CACHE") or os.path.join(tempfile.gettempdir(), "ode_lm")
+    base = os.environ.get("ODE_LM_CACHE") or os.path.join(tempfile.gettempdir(), "ode_lm_cache")
     return os.path.join(base, "data", "builtin-bpe4096")
 
 

@@ -56,7 +56,7 @@ def _docstrings(source: bytes) -> list[str]:
 
 def _cache_path(root: pathlib.Path) -> pathlib.Path:
     base = os.environ.get("ODE_LM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()), "ode_lm"
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(tempfile.gettempdir()), "ode_lm_cache"
     )
     key = hashlib.sha1(f"{sys.version}|{root}|v1".encode()).hexdigest()[:16]
     return pathlib.Path(base) / f"stdlib_docstrings-{key}.jsonl.gz"

@@ -1,0 +1,248 @@
+"""Streaming mode: batches straight from unprepared files (e.g. OpenWebText parquet on gs://).
+
+Chain: per-epoch seeded file shuffle -> host's files (positions p, p+P, ... of each epoch's
+permutation) -> interleave ``interleave_files`` open files round-robin, one document at a time
+-> window of ``shuffle_window`` documents, tokenized together (threads inside the tokenizer,
+or ``num_workers`` processes; the order never depends on either) -> seeded permutation of the
+window -> the same packers and batch format as the prepared pipeline.
+
+State (JSON): the packer's ``doc``/``offset``/``carry`` plus, for the oldest window still
+needed, the reader position at its start (next file, open files and documents consumed in
+each, round-robin turn). Restoring re-opens those files, skips the consumed documents
+(parquet skips whole row groups) and re-tokenizes that window: exact, and cheap.
+
+No holdout is applied in streaming mode; evaluate on a prepared validation split.
+
+Fallback without state (``start_step=s``): the reader starts at host file
+``floor(s * rows * (seq_len + 1) / tokens_in_host_file_0)`` with fresh slots - deterministic,
+in the right epoch, never a silent restart.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+import grain
+import numpy as np
+
+from ode_lm.data import sources as sources_lib
+from ode_lm.data import tokenizers as tok_lib
+from ode_lm.data.config import DataConfig
+from ode_lm.data.pipeline import PackedBatchIterator, feistel_permute
+
+_WORKER_TOK: dict[tuple[str, str], tok_lib.Tokenizer] = {}
+
+
+def _encode_in_worker(spec: str, data_dir: str, texts: list[str]) -> list[np.ndarray]:
+    if (spec, data_dir) not in _WORKER_TOK:
+        _WORKER_TOK[(spec, data_dir)] = tok_lib.get_tokenizer(spec, data_dir)
+    return _WORKER_TOK[(spec, data_dir)].encode_batch(texts)
+
+
+class HostFiles:
+    """Host file sequence index f -> file path (epoch-aware shuffle of the file list)."""
+
+    def __init__(self, files: list[str], seed: int, p: int, pc: int,
+                 num_epochs: int | None) -> None:
+        if len(files) < pc:
+            raise ValueError(f"streaming: {len(files)} source files for {pc} processes; every "
+                             "host needs at least one file (split the files, or prepare the data)")
+        self.files, self.seed, self.p, self.pc = files, seed, p, pc
+        self.per_epoch = -(-(len(files) - p) // pc)
+        self.length = None if num_epochs is None else self.per_epoch * num_epochs
+
+    def __getitem__(self, f: int) -> str | None:
+        if self.length is not None and f >= self.length:
+            return None
+        e, j = divmod(f, self.per_epoch)
+        pos = self.p + self.pc * j
+        idx = feistel_permute(np.array([pos]), len(self.files), (self.seed << 20) + 7919 + e)
+        return self.files[int(idx[0])]
+
+
+class DocReader:
+    """Round-robin over ``slots`` open files; its state is a small JSON dict."""
+
+    def __init__(self, files: HostFiles, cfg: DataConfig, state: dict[str, Any]) -> None:
+        self.files, self.cfg = files, cfg
+        self.next_file = int(state["next_file"])
+        self.turn = int(state["turn"])
+        self.slots: list[list[int]] = [[int(f), int(c)] for f, c in state["slots"]]
+        self._iters: list[Iterator[sources_lib.Document] | None] = [None] * len(self.slots)
+
+    @staticmethod
+    def initial(start_file: int = 0) -> dict[str, Any]:
+        return {"next_file": start_file, "turn": 0, "slots": []}
+
+    def state(self) -> dict[str, Any]:
+        return {"next_file": self.next_file, "turn": self.turn,
+                "slots": [list(s) for s in self.slots]}
+
+    def _open(self, slot: int) -> Iterator[sources_lib.Document]:
+        f, consumed = self.slots[slot]
+        path = self.files[f]
+        kw = {"text_field": self.cfg.text_field, "text_delimiter": self.cfg.text_delimiter}
+        if sources_lib.file_kind(path) == "parquet":
+            return sources_lib.iter_parquet_file(path, self.cfg.text_field, skip=consumed)
+        it = sources_lib.iter_file_documents(path, **kw)
+        for _ in range(consumed):
+            next(it)
+        return it
+
+    def _fill(self) -> None:
+        while len(self.slots) < self.cfg.interleave_files and self.files[self.next_file]:
+            self.slots.append([self.next_file, 0])
+            self._iters.append(None)
+            self.next_file += 1
+
+    def next(self) -> sources_lib.Document | None:
+        self._fill()
+        while self.slots:
+            self.turn %= len(self.slots)
+            s = self.turn
+            if self._iters[s] is None:
+                self._iters[s] = self._open(s)
+            doc = next(self._iters[s], None)  # type: ignore[arg-type]
+            if doc is None:  # file done: the next file takes its slot, same turn
+                path = self.files[self.next_file]
+                if path is None:
+                    del self.slots[s], self._iters[s]
+                else:
+                    self.slots[s], self._iters[s] = [self.next_file, 0], None
+                    self.next_file += 1
+                continue
+            self.slots[s][1] += 1
+            self.turn = s + 1
+            return doc
+        return None
+
+
+class StreamingBatchIterator(PackedBatchIterator):
+    """The prepared pipeline's packer fed by windows of streamed, tokenized documents."""
+
+    def __init__(self, cfg: DataConfig, files: HostFiles, *, rows: int, eos_id: int,
+                 start_file: int = 0) -> None:
+        super().__init__(None, None, rows=rows, width=cfg.seq_len + 1,  # type: ignore[arg-type]
+                         packing=cfg.packing, eos_id=eos_id,
+                         max_carry=cfg.first_fit_bins or rows)
+        self._cfg, self._files, self._W = cfg, files, max(1, cfg.shuffle_window)
+        self._tok = tok_lib.get_tokenizer(cfg.tokenizer, cfg.data_dir, num_threads=cfg.num_threads)
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._window_state: dict[int, dict[str, Any]] = {0: DocReader.initial(start_file)}
+        self._windows: dict[int, list[np.ndarray]] = {}
+        self._reader: DocReader | None = None
+        self._reader_window = -1  # the window the reader is positioned at the start of
+
+    def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
+        if self._cfg.num_workers <= 0 or len(texts) < 2:
+            return self._tok.encode_batch(texts)
+        if self._pool is None:
+            self._pool = cf.ProcessPoolExecutor(
+                self._cfg.num_workers, mp_context=multiprocessing.get_context("spawn"))
+        n = -(-len(texts) // self._cfg.num_workers)
+        parts = [texts[i:i + n] for i in range(0, len(texts), n)]
+        out: list[np.ndarray] = []
+        spec, d = self._cfg.tokenizer, self._cfg.data_dir
+        for ids in self._pool.map(_encode_in_worker, [spec] * len(parts), [d] * len(parts), parts):
+            out.extend(ids)
+        return out
+
+    def _load_window(self, w: int) -> list[np.ndarray]:
+        if self._reader is None or self._reader_window != w:
+            start = self._window_state.get(w)
+            if start is None:  # windows are read in order: load the previous one first
+                self._load_window(w - 1)
+                start = self._window_state[w]
+            self._reader = DocReader(self._files, self._cfg, start)
+        texts = []
+        while len(texts) < self._W:
+            doc = self._reader.next()
+            if doc is None:
+                break
+            if doc[1] and self._cfg.non_utf8 == "skip":
+                continue
+            texts.append(doc[0])
+        self._window_state[w + 1] = self._reader.state()
+        self._reader_window = w + 1
+        eos = np.array([self._eos], np.int64)
+        docs = [np.concatenate([ids, eos]) for ids in self._tokenize(texts)] if texts else []
+        perm = feistel_permute(np.arange(len(docs)), len(docs), (self._cfg.seed << 20) + w) \
+            if docs else []
+        return [docs[int(i)] for i in perm]
+
+    def _get(self, k: int) -> np.ndarray | None:
+        w, i = divmod(k, self._W)
+        if w not in self._windows:
+            self._windows[w] = self._load_window(w)
+            low = self._min_window()
+            for old in [x for x in self._windows if x < low]:
+                del self._windows[old]
+            for old in [x for x in self._window_state if x < low]:
+                del self._window_state[old]
+        win = self._windows[w]
+        return win[i] if i < len(win) else None
+
+    def _min_window(self) -> int:
+        ks = [self._doc] + [c[0] for c in self._carry]
+        return min(ks) // self._W
+
+    def get_state(self) -> dict[str, Any]:
+        state = super().get_state()
+        w = self._min_window()
+        state["window"], state["reader"] = w, self._window_state[w]
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        super().set_state(state)
+        w = int(state["window"])
+        self._window_state = {w: state["reader"]}
+        self._windows, self._reader, self._reader_window = {}, None, -1
+
+    @property
+    def epoch(self) -> int:
+        return self._window_state[self._min_window()]["next_file"] // self._files.per_epoch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
+        super().close()
+
+
+class StreamingBatchDataset(grain.IterDataset):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__()
+        self._kwargs = kwargs
+
+    def __iter__(self) -> StreamingBatchIterator:
+        return StreamingBatchIterator(**self._kwargs)
+
+
+def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_count: int,
+                            start_step: int = 0) -> grain.DatasetIterator:
+    """Host-local batches from ``cfg.source`` files, tokenized on the fly (checkpointable)."""
+    if sources_lib.is_builtin(cfg.source) or cfg.source.startswith("tfds:"):
+        raise ValueError(f"streaming mode reads files; source {cfg.source!r} is not a file "
+                         "source (prepare it instead)")
+    if cfg.global_batch_size % process_count:
+        raise ValueError(f"DataConfig.global_batch_size={cfg.global_batch_size} is not divisible "
+                         f"by process_count={process_count}")
+    rows = cfg.global_batch_size // process_count
+    files = HostFiles(sources_lib.list_files(cfg.source), cfg.seed, process_index, process_count,
+                      cfg.num_epochs)
+    tok = tok_lib.get_tokenizer(cfg.tokenizer, cfg.data_dir)
+    start_file = 0
+    if start_step:
+        first = files[0]
+        n_tokens = sum(len(x) + 1 for x in tok.encode_batch(
+            [t for t, _ in sources_lib.iter_file_documents(
+                first, text_field=cfg.text_field, text_delimiter=cfg.text_delimiter)]))
+        start_file = int(start_step * rows * (cfg.seq_len + 1) // max(1, n_tokens))
+    ds: grain.IterDataset = StreamingBatchDataset(cfg=cfg, files=files, rows=rows,
+                                                  eos_id=tok.eos_id, start_file=start_file)
+    if cfg.prefetch > 0:
+        ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
+    return iter(ds)
