@@ -101,3 +101,28 @@ def test_missing_path_and_glob(tmp_path):
         list(iter_documents(str(tmp_path / "nope")))
     with pytest.raises(SourceError, match="glob matches no files"):
         list(iter_documents(str(tmp_path / "*.parquet")))
+
+
+def test_tfds_data_source_built_locally(tmp_path):
+    tfds = pytest.importorskip("tensorflow_datasets")
+
+    class TinyOdeText(tfds.core.GeneratorBasedBuilder):
+        VERSION = tfds.core.Version("1.0.0")
+
+        def _info(self):
+            return tfds.core.DatasetInfo(
+                builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+        def _split_generators(self, dl_manager):
+            return {"train": self._generate_examples()}
+
+        def _generate_examples(self):
+            for i, t in enumerate(small_texts(25)):
+                yield i, {"text": t}
+
+    TinyOdeText(data_dir=str(tmp_path), file_format="array_record").download_and_prepare()
+    docs = list(iter_documents(f"tfds:tiny_ode_text?split=train&data_dir={tmp_path}"))
+    assert sorted(t for t, _ in docs) == sorted(small_texts(25))
+    assert not any(bad for _, bad in docs)
+    with pytest.raises(SourceError, match="tfds.data_source failed"):
+        list(iter_documents(f"tfds:no_such_dataset?data_dir={tmp_path}"))
