@@ -1,0 +1,144 @@
+"""Export a run: ``raw`` (hypernetwork, lossless) or ``hf`` (materialised at M steps).
+
+``hf`` picks the transformers class by flavour: neox → ``GPTNeoXForCausalLM`` (no custom
+code); gpt2 / llama → the parallel-block modelling files in ``hf_templates`` shipped with the
+checkpoint (``trust_remote_code=True``). ``hf-neox`` insists on the native class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import numpy as np
+
+from ode_lm.export import hf_weights, safetensors_io, tokenizer_files, verify
+from ode_lm.export.hf_templates import TEMPLATE_FILES
+from ode_lm.export.source import load_run_model, run_data_dir
+
+FORMATS = ("raw", "hf", "hf-neox")
+
+
+@dataclasses.dataclass
+class ExportResult:
+    out_dir: str
+    format: str
+    files: list[str]
+    step: int
+    num_steps: int | None
+    max_abs_diff: float | None = None
+
+
+def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | None,
+                  dtype: str) -> None:
+    """Every bad flag combination, before any checkpoint is read where possible."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--format={fmt!r}: unknown format; expected one of {FORMATS}")
+    if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
+        raise ValueError(f"--num_steps={num_steps!r}: must be a positive number of solver steps")
+    if dtype not in safetensors_io.DTYPES:
+        raise ValueError(f"--dtype={dtype!r}: expected one of {tuple(safetensors_io.DTYPES)}")
+    if fmt == "hf-neox" and flavour != "neox":
+        raise ValueError(
+            f"--format=hf-neox: a {flavour} model can't be mapped to GPTNeoXForCausalLM "
+            "(it needs the neox flavour: rotary, two LayerNorms, exact GELU); use --format=hf"
+        )
+    if fmt.startswith("hf") and architecture == "sequential":
+        raise ValueError(
+            f"--format={fmt}: the sequential {flavour} baseline can't be mapped to a "
+            "parallel-block transformer; export it with --format=raw"
+        )
+    if fmt == "raw" and num_steps is not None:
+        raise ValueError("--num_steps: a raw export keeps the continuous model; "
+                         "the step count is chosen when it is loaded")
+
+
+def _materialised(model, num_steps: int | None):
+    from ode_lm.models.lm import DiffEqFormer
+    from ode_lm.models.materialize import materialize
+
+    if isinstance(model, DiffEqFormer):
+        return materialize(model, num_steps or model.config.num_steps, "euler")
+    return model  # already a parallel-block model (a materialised fine-tune)
+
+
+def write_hf(model, out_dir: str, fmt: str, *, num_steps: int | None, dtype: str,
+             data_dir: str | None, max_shard_bytes: int) -> list[str]:
+    source_steps = model.config.num_steps
+    pm = _materialised(model, num_steps)
+    cfg = pm.config
+    ids = tokenizer_files.token_ids(data_dir)
+    if cfg.flavour == "neox":
+        tensors, config = hf_weights.neox_tensors(pm), hf_weights.neox_config(cfg, ids)
+    else:
+        tensors = hf_weights.remote_tensors(pm)
+        config = hf_weights.remote_config(cfg, ids, source_steps)
+        here = os.path.join(os.path.dirname(__file__), "hf_templates")
+        for name in TEMPLATE_FILES:
+            shutil.copyfile(os.path.join(here, name), os.path.join(out_dir, name))
+    config["torch_dtype"] = config["dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    config["ode_lm"] = {"flavour": cfg.flavour, "num_layers": cfg.num_layers,
+                        "materialised_from_steps": num_steps or source_steps}
+    files = safetensors_io.save_sharded(safetensors_io.cast(tensors, dtype), out_dir,
+                                        max_shard_bytes)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({k: v for k, v in ids.items()}, f, indent=2)
+    extra = [] if cfg.flavour == "neox" else list(TEMPLATE_FILES)
+    return files + ["config.json", "generation_config.json"] + extra + \
+        tokenizer_files.copy_tokenizer(data_dir, out_dir)
+
+
+def export(
+    model_dir: str,
+    fmt: str,
+    out_dir: str,
+    *,
+    step: int | None = None,
+    num_steps: int | None = None,
+    dtype: str = "fp32",
+    verify_logits: bool = False,
+    data_dir: str | None = None,
+    max_shard_bytes: int = safetensors_io.DEFAULT_MAX_SHARD_BYTES,
+) -> ExportResult:
+    from ode_lm.training.checkpoint import load_model_config
+
+    config = load_model_config(model_dir) if os.path.isdir(model_dir) else None
+    if config is None:
+        raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
+    check_request(fmt, config.flavour, config.architecture, num_steps, dtype)
+    model, config, step = load_run_model(model_dir, step)
+    if out_dir and os.path.exists(out_dir) and os.listdir(out_dir):
+        raise FileExistsError(f"--out={out_dir}: directory exists and is not empty")
+    os.makedirs(out_dir, exist_ok=True)
+    data_dir = data_dir or run_data_dir(model_dir)
+    if fmt == "raw":
+        from ode_lm.export.raw import save_raw
+
+        files = save_raw(model, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+        files.append("config.json")
+        files += tokenizer_files.copy_tokenizer(data_dir, out_dir)
+    else:
+        files = write_hf(model, out_dir, fmt, num_steps=num_steps, dtype=dtype,
+                         data_dir=data_dir, max_shard_bytes=max_shard_bytes)
+    result = ExportResult(out_dir, fmt, files, step, num_steps)
+    if verify_logits:
+        result.max_abs_diff = check_logits(model, out_dir, fmt, num_steps, dtype)
+    return result
+
+
+def check_logits(model, out_dir: str, fmt: str, num_steps: int | None, dtype: str) -> float:
+    """max |Δ logits| between the export and ode-lm; raises above the dtype's tolerance."""
+    cfg = model.config
+    tokens = verify.fixed_batch(cfg.vocab_size, cfg.max_seq_len)
+    ref = verify.reference_logits(model, tokens, num_steps)
+    got = (verify.raw_logits(out_dir, tokens, None) if fmt == "raw"
+           else verify.hf_logits(out_dir, tokens))
+    diff = float(np.max(np.abs(ref - got)))
+    tol = verify.TOLERANCE[dtype] * (1.0 if dtype == "fp32" else max(1.0, np.abs(ref).max()))
+    if not diff < tol:
+        raise AssertionError(f"--verify: {out_dir}: max |Δ logits| = {diff:.3g} exceeds {tol:g}")
+    return diff

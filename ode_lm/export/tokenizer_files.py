@@ -1,0 +1,79 @@
+"""Tokenizer files of a run's prepared data, copied next to an `hf` export.
+
+``bpe:<n>`` and ``hf:<file>`` tokenizers are a ``tokenizer.json`` that transformers loads as
+``PreTrainedTokenizerFast``; sentencepiece models are copied as ``tokenizer.model``. Other
+tokenizers (tiktoken, bytes) are recorded in ``ode_lm_tokenizer.json`` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+TOKENIZER_NOTE = "ode_lm_tokenizer.json"
+
+
+def _manifest(data_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def token_ids(data_dir: str | None) -> dict[str, int]:
+    """bos/eos ids for config.json (both the EOS; GPT-2 style documents are EOS-separated)."""
+    m = _manifest(data_dir) if data_dir else None
+    if not m or "eos_id" not in m:
+        return {}
+    return {"bos_token_id": int(m["eos_id"]), "eos_token_id": int(m["eos_id"])}
+
+
+def copy_tokenizer(data_dir: str | None, out_dir: str) -> list[str]:
+    """Copy what transformers can load; returns the written file names (may be empty)."""
+    m = _manifest(data_dir) if data_dir else None
+    if m is None:
+        return []
+    tok = m.get("tokenizer", {})
+    spec = str(tok.get("spec", ""))
+    kind, _, arg = spec.partition(":")
+    written: list[str] = []
+    src = None
+    if kind == "bpe":
+        src = os.path.join(data_dir, tok.get("file") or "tokenizer.json")
+    elif kind == "hf":
+        src = arg
+    if src and os.path.exists(src):
+        shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
+        eos = _eos_token(src, m.get("eos_id"))
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
+        if eos is not None:
+            cfg.update(eos_token=eos, bos_token=eos, unk_token=eos)
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=2)
+        written += ["tokenizer.json", "tokenizer_config.json"]
+    elif kind == "sentencepiece" and os.path.exists(arg):
+        shutil.copyfile(arg, os.path.join(out_dir, "tokenizer.model"))
+        written.append("tokenizer.model")
+    with open(os.path.join(out_dir, TOKENIZER_NOTE), "w") as f:
+        json.dump({"spec": spec, "sha256": tok.get("sha256"), "eos_id": m.get("eos_id"),
+                   "vocab_size": m.get("vocab_size"), "data_dir": data_dir}, f, indent=2)
+    return written + [TOKENIZER_NOTE]
+
+
+def _eos_token(tokenizer_json: str, eos_id: int | None) -> str | None:
+    if eos_id is None:
+        return None
+    with open(tokenizer_json) as f:
+        data = json.load(f)
+    for added in data.get("added_tokens", []):
+        if added.get("id") == eos_id:
+            return added.get("content")
+    vocab = data.get("model", {}).get("vocab", {})
+    if isinstance(vocab, dict):
+        for token, i in vocab.items():
+            if i == eos_id:
+                return token
+    return None

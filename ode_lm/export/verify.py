@@ -1,0 +1,48 @@
+"""``--verify``: load an export back and compare its logits with ode-lm's on a fixed batch.
+
+`hf` exports are loaded by transformers on torch CPU (the optional ``[hf]`` extra), `raw`
+exports by ode-lm itself. The reference is the *source* model's forward: for an ODE that is
+the solve at the exported M steps, so the check also covers materialisation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+TOLERANCE = {"fp32": 1e-4, "bf16": 0.25}
+
+
+def fixed_batch(vocab_size: int, max_len: int, batch: int = 2, length: int = 16) -> np.ndarray:
+    rng = np.random.default_rng(1234)
+    return rng.integers(0, vocab_size, size=(batch, min(length, max_len)), dtype=np.int64)
+
+
+def reference_logits(model: nnx.Module, tokens: np.ndarray, num_steps: int | None) -> np.ndarray:
+    import jax.numpy as jnp
+
+    return np.asarray(model(jnp.asarray(tokens, jnp.int32), num_steps=num_steps))
+
+
+def hf_logits(export_dir: str, tokens: np.ndarray) -> np.ndarray:
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise ImportError(
+            f"--verify of an hf export needs torch and transformers ({e}); "
+            "install them with: pip install -e '.[hf]'"
+        ) from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        export_dir, trust_remote_code=True, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor(tokens))
+    return out.logits.float().numpy()
+
+
+def raw_logits(export_dir: str, tokens: np.ndarray, num_steps: int | None) -> np.ndarray:
+    from ode_lm.export.raw import load_raw
+
+    model, _ = load_raw(export_dir)
+    return reference_logits(model, tokens, num_steps)
