@@ -30,8 +30,18 @@ def user_errors() -> tuple[type[BaseException], ...]:
             PreparedDataError)
 
 
+class _GinSearchNoise(logging.Filter):
+    """gin logs an ERROR for every search path a config file is *not* in; drop those."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Path not found")
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    root = logging.getLogger()
+    if not any(isinstance(f, _GinSearchNoise) for f in root.filters):
+        root.addFilter(_GinSearchNoise())
     logging.getLogger("ode_lm").setLevel(logging.INFO)
     try:
         from absl import logging as absl_logging

@@ -34,18 +34,19 @@ def test_clu_window_average_and_last_value():
     assert float(values["learning_rate"]) == pytest.approx(0.2)
 
 
-def test_tensorboardx_writer_event_files_read_back(tmp_path):
+def test_tf_free_writer_event_files_read_back(tmp_path):
     writer = metrics.create_writer(str(tmp_path), process_index=0)
-    writer.write_scalars(1, {"train/loss": 3.5, "eval/perplexity": 20.0})
+    writer.write_scalars(1, {"train/loss": 3.5, "eval/perplexity@steps=4": 20.0})
     writer.write_scalars(2, {"train/loss": 3.0})
     writer.write_texts(0, {"config": "TrainConfig.seed = 0"})
     writer.close()
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [e.value for e in acc.Scalars("train/loss")] == [3.5, 3.0]
-    assert acc.Scalars("eval/perplexity")[0].step == 1
+    assert acc.Scalars("eval/perplexity@steps=4")[0].step == 1  # tag kept verbatim
+    assert acc.Tensors("config")[0].tensor_proto.string_val == [b"TrainConfig.seed = 0"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0] == {"step": 1, "train/loss": 3.5, "eval/perplexity": 20.0}
+    assert rows[0] == {"step": 1, "train/loss": 3.5, "eval/perplexity@steps=4": 20.0}
     assert metrics.create_writer(str(tmp_path / "other"), process_index=1) is not None
     assert not (tmp_path / "other").exists()
 

@@ -103,21 +103,41 @@ class MetricWriter(abc.ABC):
         pass
 
 
-class TensorBoardXWriter(MetricWriter):
-    """TF-free TensorBoard event files through tensorboardX."""
+class EventFileMetricWriter(MetricWriter):
+    """TF-free TensorBoard event files through tensorboard's own EventFileWriter.
+
+    Tags are written verbatim (tensorboardX would rewrite ``eval/loss@steps=4``).
+    """
 
     def __init__(self, logdir: str):
-        from tensorboardX import SummaryWriter
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self._writer = SummaryWriter(logdir=logdir, flush_secs=10)
+        self._writer = EventFileWriter(logdir, flush_secs=10)
 
     def write_scalars(self, step, scalars):
-        for k, v in scalars.items():
-            self._writer.add_scalar(k, float(v), global_step=int(step))
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in scalars.items()]
+        self._writer.add_event(Event(wall_time=time.time(), step=int(step),
+                                     summary=Summary(value=values)))
 
     def write_texts(self, step, texts):
-        for k, v in texts.items():
-            self._writer.add_text(k, v, global_step=int(step))
+        from tensorboard.compat.proto import types_pb2
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary, SummaryMetadata
+        from tensorboard.compat.proto.tensor_pb2 import TensorProto
+        from tensorboard.compat.proto.tensor_shape_pb2 import TensorShapeProto
+
+        meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name="text"))
+        shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=1)])
+        values = [
+            Summary.Value(tag=k, metadata=meta, tensor=TensorProto(
+                dtype=types_pb2.DT_STRING, string_val=[v.encode()], tensor_shape=shape))
+            for k, v in texts.items()
+        ]
+        self._writer.add_event(Event(wall_time=time.time(), step=int(step),
+                                     summary=Summary(value=values)))
 
     def flush(self):
         self._writer.flush()
@@ -201,7 +221,7 @@ def create_writer(model_dir: str, process_index: int | None = None) -> MetricWri
     """TensorBoard + jsonl writer under ``model_dir`` on process 0; a no-op elsewhere."""
     if (jax.process_index() if process_index is None else process_index) != 0:
         return MultiWriter([])
-    tb = CluWriter(model_dir) if tensorflow_available() else TensorBoardXWriter(model_dir)
+    tb = CluWriter(model_dir) if tensorflow_available() else EventFileMetricWriter(model_dir)
     return MultiWriter([tb, JsonlWriter(os.path.join(model_dir, "metrics.jsonl"))])
 
 
