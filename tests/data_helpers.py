@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from ode_lm.data import DataConfig, ensure_prepared
 
 _CACHE: dict[str, DataConfig] = {}
 _ROOT = pathlib.Path(tempfile.mkdtemp(prefix="ode_lm_data_tests_"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
 def builtin_config(tokenizer: str = "bpe:1024", **overrides) -> DataConfig:

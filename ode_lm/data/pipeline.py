@@ -30,7 +30,7 @@ from ode_lm.data import packing as packing_lib
 from ode_lm.data import prepare as prep
 from ode_lm.data.config import DataConfig
 
-_BLOCK = 256  # documents read per ArrayRecord call
+_BLOCK = 1024  # documents read per ArrayRecord call
 
 
 class ShardRecords:
@@ -63,6 +63,8 @@ class ShardRecords:
         for s in np.unique(shards):
             where = np.nonzero(shards == s)[0]
             local = idx[where] - (self.ends[s - 1] if s else 0)
+            order = np.argsort(local, kind="stable")  # ascending offsets read faster
+            where, local = where[order], local[order]
             try:
                 recs = self._reader(int(s)).read(local.tolist())
             except Exception as e:  # noqa: BLE001
@@ -81,11 +83,10 @@ _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 def _mix(x: np.ndarray, key: int) -> np.ndarray:
     """splitmix64-style hash of uint64 values under a key (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = x + np.uint64((0x9E3779B97F4A7C15 * (key + 1)) & 0xFFFFFFFFFFFFFFFF)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    z = x + np.uint64((0x9E3779B97F4A7C15 * (key + 1)) & 0xFFFFFFFFFFFFFFFF)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
 
 
 def feistel_permute(j: np.ndarray, n: int, seed: int) -> np.ndarray:
@@ -97,6 +98,13 @@ def feistel_permute(j: np.ndarray, n: int, seed: int) -> np.ndarray:
     mask = np.uint64((1 << half) - 1)
     x = np.asarray(j, np.uint64).copy()
     todo = np.ones(x.shape, bool)
+    with np.errstate(over="ignore"):
+        _walk_cycles(x, todo, n, half, mask, seed)
+    return x.astype(np.int64)
+
+
+def _walk_cycles(x: np.ndarray, todo: np.ndarray, n: int, half: int, mask: np.uint64,
+                 seed: int) -> None:
     while todo.any():
         y = x[todo]
         left, right = y >> np.uint64(half), y & mask
@@ -105,7 +113,6 @@ def feistel_permute(j: np.ndarray, n: int, seed: int) -> np.ndarray:
         y = (left << np.uint64(half)) | right
         x[todo] = y
         todo[todo] = y >= np.uint64(n)
-    return x.astype(np.int64)
 
 
 class HostOrder:
@@ -151,18 +158,41 @@ class PackedBatchIterator(grain.DatasetIterator):
         self._eos, self._max_carry = eos_id, max_carry
         self._doc, self._offset = start_doc, 0
         self._carry: list[list[int]] = []  # [doc, offset, length]
-        self._cache_start, self._cache = 0, []
+        self._block_size = _BLOCK
+        self._blocks: dict[int, tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]] = {}
 
     # -- reading ---------------------------------------------------------------------------
+    def _read_block(self, b: int) -> list[np.ndarray]:
+        """Documents [b * block_size, (b + 1) * block_size) of the host sequence (short at end)."""
+        start = b * self._block_size
+        stop = min(start + self._block_size, len(self._order))
+        if start >= stop:
+            return []
+        return self._records.__getitems__(self._order.lookup(np.arange(start, stop)))
+
+    def _block(self, b: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """(docs, flat tokens, doc start offsets (n+1), doc index per token) of block b."""
+        if b not in self._blocks:
+            low = self._min_doc() // self._block_size
+            for old in [x for x in self._blocks if x < low]:
+                del self._blocks[old]
+            docs = self._read_block(b)
+            lens = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+            starts = np.zeros(len(docs) + 1, np.int64)
+            np.cumsum(lens, out=starts[1:])
+            flat = np.concatenate(docs) if docs else np.zeros(0, np.int64)
+            docid = np.repeat(np.arange(len(docs), dtype=np.int32), lens)
+            self._blocks[b] = (docs, flat, starts, docid)
+        return self._blocks[b]
+
+    def _min_doc(self) -> int:
+        return min([self._doc] + [c[0] for c in self._carry])
+
     def _get(self, k: int) -> np.ndarray | None:
-        """Host document k, or None past the end of the last epoch."""
-        if k >= len(self._order):
-            return None
-        if not self._cache_start <= k < self._cache_start + len(self._cache):
-            stop = min(k + _BLOCK, len(self._order))
-            idx = self._order.lookup(np.arange(k, stop))
-            self._cache_start, self._cache = k, self._records.__getitems__(idx)
-        return self._cache[k - self._cache_start]
+        """Host document k, or None past the end of the stream."""
+        b, i = divmod(k, self._block_size)
+        docs = self._block(b)[0]
+        return docs[i] if i < len(docs) else None
 
     def _next_piece(self, limit: int) -> tuple[int, int, np.ndarray] | None:
         """The next at most ``limit`` unread tokens of the current document."""
@@ -179,18 +209,28 @@ class PackedBatchIterator(grain.DatasetIterator):
 
     # -- packing ---------------------------------------------------------------------------
     def _concat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Vectorised per block: slices of the flat token stream, no per-document Python."""
         need = self._rows * self._width
-        pieces, lengths = [], []
+        parts, pids = [], []
         while need > 0:
-            nxt = self._next_piece(need)
-            if nxt is None:
+            b, i = divmod(self._doc, self._block_size)
+            docs, flat, starts, docid = self._block(b)
+            if i >= len(docs):
                 raise StopIteration
-            pieces.append(nxt[2])
-            lengths.append(len(nxt[2]))
-            need -= len(nxt[2])
-        flat = np.concatenate(pieces)
-        pid = np.repeat(np.arange(len(pieces), dtype=np.int32), lengths)
-        return packing_lib.rows_from_flat(flat, pid, self._rows, self._width)
+            pos = int(starts[i]) + self._offset
+            take = min(int(starts[-1]) - pos, need)
+            parts.append(flat[pos:pos + take])
+            pids.append(docid[pos:pos + take] + np.int32(b * self._block_size % (1 << 30)))
+            end = pos + take
+            j = int(np.searchsorted(starts, end, side="right")) - 1
+            if j >= len(docs):
+                self._doc, self._offset = (b + 1) * self._block_size, 0
+            else:
+                self._doc, self._offset = b * self._block_size + j, end - int(starts[j])
+            need -= take
+        flat_out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        pid = np.concatenate(pids) if len(pids) > 1 else pids[0]
+        return packing_lib.rows_from_flat(flat_out, pid, self._rows, self._width)
 
     def _first_fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ff = packing_lib.FirstFit(self._rows, self._width)
@@ -231,6 +271,7 @@ class PackedBatchIterator(grain.DatasetIterator):
         return {"doc": self._doc, "offset": self._offset, "carry": [list(c) for c in self._carry]}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        self._blocks = {}
         self._doc, self._offset = int(state["doc"]), int(state["offset"])
         self._carry = [[int(x) for x in c] for c in state.get("carry", [])]
 

@@ -129,10 +129,10 @@ class StreamingBatchIterator(PackedBatchIterator):
                          packing=cfg.packing, eos_id=eos_id,
                          max_carry=cfg.first_fit_bins or rows)
         self._cfg, self._files, self._W = cfg, files, max(1, cfg.shuffle_window)
+        self._block_size = self._W  # a block of the packer = one shuffle window
         self._tok = tok_lib.get_tokenizer(cfg.tokenizer, cfg.data_dir, num_threads=cfg.num_threads)
         self._pool: cf.ProcessPoolExecutor | None = None
         self._window_state: dict[int, dict[str, Any]] = {0: DocReader.initial(start_file)}
-        self._windows: dict[int, list[np.ndarray]] = {}
         self._reader: DocReader | None = None
         self._reader_window = -1  # the window the reader is positioned at the start of
 
@@ -173,21 +173,14 @@ class StreamingBatchIterator(PackedBatchIterator):
             if docs else []
         return [docs[int(i)] for i in perm]
 
-    def _get(self, k: int) -> np.ndarray | None:
-        w, i = divmod(k, self._W)
-        if w not in self._windows:
-            self._windows[w] = self._load_window(w)
-            low = self._min_window()
-            for old in [x for x in self._windows if x < low]:
-                del self._windows[old]
-            for old in [x for x in self._window_state if x < low]:
-                del self._window_state[old]
-        win = self._windows[w]
-        return win[i] if i < len(win) else None
+    def _read_block(self, b: int) -> list[np.ndarray]:
+        docs = self._load_window(b)
+        for old in [x for x in self._window_state if x < self._min_doc() // self._W]:
+            del self._window_state[old]
+        return docs
 
     def _min_window(self) -> int:
-        ks = [self._doc] + [c[0] for c in self._carry]
-        return min(ks) // self._W
+        return self._min_doc() // self._W
 
     def get_state(self) -> dict[str, Any]:
         state = super().get_state()
@@ -199,7 +192,7 @@ class StreamingBatchIterator(PackedBatchIterator):
         super().set_state(state)
         w = int(state["window"])
         self._window_state = {w: state["reader"]}
-        self._windows, self._reader, self._reader_window = {}, None, -1
+        self._blocks, self._reader, self._reader_window = {}, None, -1
 
     @property
     def epoch(self) -> int:
