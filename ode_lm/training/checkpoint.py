@@ -61,6 +61,7 @@ class Checkpointer:
             keep_period=config.keep_period,
             enable_async_checkpointing=config.async_save,
             create=True,
+            cleanup_tmp_directories=True,  # leftovers of a save cut short by a kill
         )
         self.manager = ocp.CheckpointManager(
             self.directory,
