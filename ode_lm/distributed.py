@@ -160,11 +160,33 @@ def initialize(
             ) from e
         raise
     info = process_info("explicit" if settings else "auto")
+    if jax.default_backend() == "cpu" and info.process_count > 1:
+        warm_up_collectives()
     log.info(
         "joined distributed job: process %d of %d, %d local / %d global devices",
         info.process_index, info.process_count, info.local_device_count, info.device_count,
     )
     return info
+
+
+def warm_up_collectives() -> float:
+    """One all-device reduction right after joining; returns its value (= device count).
+
+    Gloo builds its communication context at the first cross-process collective and gives
+    up if a peer is not there within 30 s. Doing that here, while every process is at the
+    same point, means a later train step compiling slower on one host cannot break it.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.asarray(jax.devices()), ("all",))
+    ones = jax.make_array_from_callback(
+        (jax.device_count(),), NamedSharding(mesh, P("all")), lambda i: np.ones(1, np.float32)
+    )
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones)
+    return float(total)
 
 
 def process_info(mode: str = "single") -> ProcessInfo:

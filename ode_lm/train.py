@@ -60,6 +60,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-train") -> int:
     from ode_lm.training import gin_setup
 
     try:
+        # Multi-host: joins the job before any JAX computation (auto on TPU pods; explicit
+        # via JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); no-op alone.
+        from ode_lm import distributed
+
+        distributed.initialize()
         flags = gin_setup.parse_flags(argv)
         if flags.rest:
             raise ValueError(f"unknown flag {flags.rest[0]!r}; {USAGE}")
