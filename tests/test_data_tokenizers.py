@@ -64,6 +64,11 @@ def test_hf_and_bpe(tmp_path):
     a, b = get_tokenizer(f"hf:{path}").encode_batch(texts[:3]), [
         get_tokenizer(f"hf:{path}").encode(t) for t in texts[:3]]
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    fast = get_tokenizer("bpe:400", tmp_path)
+    assert fast._enc is not None, "bpe:<n> encodes through tiktoken"
+    hf_ids = get_tokenizer(f"hf:{path}").encode_batch(texts[:200])
+    assert all(np.array_equal(x, y) for x, y in zip(fast.encode_batch(texts[:200]), hf_ids,
+                                                     strict=True))
     with pytest.raises(FileNotFoundError, match="trained by tools/prepare_data.py"):
         get_tokenizer("bpe:400", tmp_path / "elsewhere")
 

@@ -76,18 +76,19 @@ class FirstFit:
 
     def __init__(self, rows: int, width: int) -> None:
         self.rows, self.width = rows, width
-        self.space = np.full(rows, width, np.int64)
+        self.space = [width] * rows  # plain lists: faster than numpy for a few rows
         self.contents: list[list[np.ndarray]] = [[] for _ in range(rows)]
 
     def place(self, piece: np.ndarray) -> bool:
-        fits = self.space >= len(piece)
-        if not fits.any():
-            return False
-        r = int(np.argmax(fits))
-        self.contents[r].append(piece)
-        self.space[r] -= len(piece)
-        return True
+        n = len(piece)
+        space = self.space
+        for r in range(self.rows):
+            if space[r] >= n:
+                self.contents[r].append(piece)
+                space[r] -= n
+                return True
+        return False
 
     @property
     def full(self) -> bool:
-        return int(self.space.max()) == 0
+        return max(self.space) == 0

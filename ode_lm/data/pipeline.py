@@ -191,7 +191,7 @@ class PackedBatchIterator(grain.DatasetIterator):
     def _get(self, k: int) -> np.ndarray | None:
         """Host document k, or None past the end of the stream."""
         b, i = divmod(k, self._block_size)
-        docs = self._block(b)[0]
+        docs = self._blocks[b][0] if b in self._blocks else self._block(b)[0]
         return docs[i] if i < len(docs) else None
 
     def _next_piece(self, limit: int) -> tuple[int, int, np.ndarray] | None:

@@ -160,6 +160,54 @@ class HFTokenizer(Tokenizer):
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def _gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable-unicode map used by byte-level BPE vocabularies."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+class TrainedBPETokenizer(HFTokenizer):
+    """``bpe:<n>``: the saved tokenizer.json, encoded by tiktoken (same ids, ~4x faster).
+
+    Our byte-level BPE uses GPT-2's regex and assigns ids in merge order, so its vocabulary is
+    a valid tiktoken rank table; a sample is checked against the HF encoder at load time, and
+    the HF encoder is used if they ever disagree.
+    """
+
+    def __init__(self, spec: str, path: str, num_threads: int = 1) -> None:
+        super().__init__(spec, path)
+        self.num_threads, self._enc = num_threads, None
+        try:
+            import tiktoken
+
+            u2b = _gpt2_unicode_to_byte()
+            vocab = self._tok.get_vocab(with_added_tokens=False)
+            ranks = {bytes(u2b[c] for c in t): i for t, i in vocab.items() if t != ENDOFTEXT}
+            enc = tiktoken.Encoding(f"bpe{self.vocab_size}", pat_str=GPT2_PAT,
+                                    mergeable_ranks=ranks, special_tokens={ENDOFTEXT: self.eos_id})
+        except (KeyError, ValueError, ImportError):
+            return
+        sample = ["Hello world, the ODE solver's 12 steps:\n\tdx/dt = f(x, t)  ✓ Ünï"]
+        if enc.encode_ordinary(sample[0]) == super().encode_batch(sample)[0].tolist():
+            self._enc = enc
+
+    def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
+        if self._enc is None:
+            return super().encode_batch(texts)
+        if self.num_threads > 1 and len(texts) > 1:
+            out = self._enc.encode_ordinary_batch(list(texts), num_threads=self.num_threads)
+        else:
+            out = [self._enc.encode_ordinary(t) for t in texts]
+        return [np.asarray(ids, np.int64) for ids in out]
+
+
 class SentencePieceTokenizer(Tokenizer):
     """A sentencepiece ``.model`` file; its own ``</s>`` is the EOS."""
 
@@ -239,8 +287,7 @@ def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None, *,
             raise FileNotFoundError(
                 f"tokenizer {spec!r}: {path} not found; it is trained by tools/prepare_data.py"
             )
-        tok = HFTokenizer(spec, os.fspath(path))
-        return tok
+        return TrainedBPETokenizer(spec, os.fspath(path), num_threads=num_threads)
     raise ValueError(
         f"unknown tokenizer spec {spec!r}; use tiktoken:gpt2, tiktoken:<file>, "
         "hf:<tokenizer.json>, sentencepiece:<model>, bpe:<vocab size> or bytes"
