@@ -119,7 +119,8 @@ def flops_per_token(config: ModelConfig, num_steps: int | None) -> float:
     """Model FLOPs per trained token (fwd + bwd, weight generation included)."""
     from ode_lm.models.accounting import flops_per_token as fpt
 
-    return float(fpt(config, num_steps or config.num_steps))
+    result = fpt(config, num_steps or config.num_steps)
+    return float(getattr(result, "training", result))  # accounting returns FlopsPerToken
 
 
 class Trainer:
