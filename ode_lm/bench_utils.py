@@ -1,0 +1,349 @@
+"""Measurement pieces for ``tools/bench.py``: presets, the matmul peak, FLOP counting and a
+wrapper that compiles and times the *real* train step (``ode_lm.training.step``).
+
+Timing on a shared machine is noisy, so benches that are compared with each other are timed
+round-robin (one step of each in turn): a load spike then hits every variant alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import numpy as np
+
+from ode_lm import partitioning
+from ode_lm.models import ModelConfig, build_model
+from ode_lm.training import checkpoint as ckpt_lib
+from ode_lm.training import metrics as metrics_lib
+from ode_lm.training import state as state_lib
+from ode_lm.training import step as step_lib
+from ode_lm.training.optim import OptimizerConfig, make_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One benchmark shape: model width/depth, batch and the hypernetwork sizes (D, S)."""
+
+    name: str
+    d_model: int
+    num_heads: int
+    num_steps: int  # ODE steps N = layers of the vanilla baseline
+    seq_len: int
+    batch_size: int
+    vocab_size: int
+    time_embed_dim: int = 20  # D
+    sinusoidal_dim: int = 16  # S
+    flavour: str = "gpt2"
+    dtype: str = "float32"
+
+    def model_config(self, architecture: str = "ode", **overrides: Any) -> ModelConfig:
+        base = ModelConfig(
+            flavour=self.flavour, architecture=architecture, vocab_size=self.vocab_size,
+            d_model=self.d_model, num_heads=self.num_heads, max_seq_len=self.seq_len,
+            num_steps=self.num_steps, num_layers=self.num_steps,
+            time_embed_dim=self.time_embed_dim, sinusoidal_dim=self.sinusoidal_dim,
+            dtype=self.dtype,
+        )
+        return base.replace(**overrides)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    "tiny": BenchConfig("tiny", 128, 4, 4, 128, 8, 2048, 20, 16),
+    "cpu_small": BenchConfig("cpu_small", 256, 4, 6, 256, 8, 8192, 20, 64),
+    # For an accelerator (an H200: ~141 GB HBM): GPT-2-medium width, bf16.
+    "gpu_large": BenchConfig("gpu_large", 1024, 16, 12, 1024, 32, 32768, 20, 64,
+                             dtype="bfloat16"),
+}
+
+
+def get_config(name: str) -> BenchConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"--config={name!r}: expected one of {sorted(CONFIGS)}")
+    return CONFIGS[name]
+
+
+# ------------------------------------------------------------------------ peak FLOP/s
+
+
+def matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 10) -> float:
+    """Best-of-``repeats`` FLOP/s of one jitted ``jnp.dot`` of two [n, n] matrices."""
+    dt = jnp.dtype(dtype)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dot(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / best
+
+
+def accelerator_peak(devices: Sequence[jax.Device], dtype: str) -> tuple[float, str]:
+    """The configured peak of the mesh (trainer's table) and where it came from."""
+    peak = metrics_lib.total_peak_flops(list(devices), dtype)
+    kind = devices[0].device_kind
+    if devices[0].platform == "cpu":
+        return peak, f"configured CPU peak (metrics.DEFAULT_CPU_PEAK_FLOPS) x {len(devices)}"
+    return peak, f"{kind} {dtype} table peak x {len(devices)}"
+
+
+# ------------------------------------------------------------------------ FLOP counting
+
+
+def _subjaxprs(value: Any):
+    if isinstance(value, jex_core.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _subjaxprs(v)
+
+
+def dot_flops(jaxpr: jex_core.Jaxpr) -> float:
+    """Matmul FLOPs (2·M·N·K per ``dot_general``) of a jaxpr, scan bodies × their length,
+    the largest branch of a ``cond``; ``while`` bodies count once (unknown trip count)."""
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = math.prod(lhs[i] for i in lhs_contract)
+            total += 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+            continue
+        subs = [dot_flops(j) for v in eqn.params.values() for j in _subjaxprs(v)]
+        if not subs:
+            continue
+        if name == "cond":
+            total += max(subs)
+        else:
+            total += sum(subs) * (eqn.params["length"] if name == "scan" else 1)
+    return total
+
+
+def model_flops_per_step(spec: state_lib.StateSpec, schedule, step_config, batch: dict) -> float:
+    """Matmul FLOPs of one train step (fwd + bwd) as traced: the real step's jaxpr."""
+    fn = step_lib.make_train_step(spec, schedule, step_config)
+    with jax.set_mesh(spec.mesh):
+        closed = jax.make_jaxpr(fn)(spec.abstract_state, batch)
+    return dot_flops(closed.jaxpr)
+
+
+def accounting_flops_per_token(config: ModelConfig) -> float | None:
+    """``ode_lm.models.accounting.flops_per_token`` when the models team provides it."""
+    try:
+        from ode_lm.models.accounting import flops_per_token
+    except ImportError:
+        return None
+    return float(flops_per_token(config, config.num_steps))
+
+
+# ------------------------------------------------------------------------ memory
+
+
+def compiled_peak_bytes(compiled: Any) -> int | None:
+    """XLA buffer assignment peak: arguments + temporaries + outputs not aliased to inputs."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return None
+    if m is None:
+        return None
+    return int(m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def process_peak_rss_bytes() -> int:
+    """High-water resident set size of this process so far (Linux: ru_maxrss in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def param_count(spec: state_lib.StateSpec) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(spec.abstract_params)))
+
+
+# ------------------------------------------------------------------------ the train step
+
+
+def synthetic_batch(cfg: BenchConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tokens, one document per row, every target counted."""
+    rng = np.random.default_rng(seed)
+    b, t = cfg.batch_size, cfg.seq_len
+    return {
+        "inputs": rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32),
+        "targets": rng.integers(0, cfg.vocab_size, (b, t), dtype=np.int32),
+        "segment_ids": np.ones((b, t), np.int32),
+        "positions": np.tile(np.arange(t, dtype=np.int32), (b, 1)),
+        "loss_mask": np.ones((b, t), np.float32),
+    }
+
+
+def make_mesh(devices: Sequence[jax.Device] | None = None):
+    """All given devices on the FSDP axis (one device on a plain host)."""
+    return partitioning.create_mesh((1, -1, 1), devices=devices)
+
+
+class TrainBench:
+    """One compiled train step of one model, its state and a fixed batch, timed per step.
+
+    ``checkpoint_every``: save the state asynchronously through the trainer's
+    ``Checkpointer`` after every k-th step (the save call is inside the timed step).
+    """
+
+    def __init__(
+        self,
+        label: str,
+        bench: BenchConfig,
+        model_config: ModelConfig,
+        mesh,
+        *,
+        step_config: step_lib.StepConfig | None = None,
+        checkpoint_every: int | None = None,
+        checkpoint_root: str | None = None,
+        seed: int = 0,
+        count_flops: bool = True,
+    ):
+        self.label = label
+        self.bench = bench
+        self.model_config = model_config
+        step_config = step_config or step_lib.StepConfig()
+        self.rules = partitioning.axis_rules()
+        tx, self.schedule = make_optimizer(OptimizerConfig(), 1000)
+        self.spec = state_lib.build_state_spec(
+            lambda rngs: build_model(model_config, rngs), tx, mesh, self.rules)
+        abstract_batch = step_lib.abstract_batch(self.spec, bench.batch_size, bench.seq_len)
+        jitted = step_lib.jit_train_step(self.spec, self.schedule, step_config)
+        with jax.set_mesh(mesh):
+            t0 = time.perf_counter()
+            self.compiled = jitted.lower(self.spec.abstract_state, abstract_batch).compile()
+            self.compile_s = time.perf_counter() - t0
+            self.state = state_lib.init_state(self.spec, seed)
+            sharding = partitioning.batch_sharding(mesh, self.rules)
+            self.batch = {k: jax.device_put(v, sharding)
+                          for k, v in synthetic_batch(bench, seed).items()}
+        self.mesh = mesh
+        self.flops = math.nan
+        if count_flops:
+            # Model FLOPs: the same step without remat, so recomputation is not counted.
+            if model_config.remat != "none":
+                flops_spec = state_lib.build_state_spec(
+                    lambda rngs: build_model(model_config.replace(remat="none"), rngs), tx,
+                    mesh, self.rules)
+            else:
+                flops_spec = self.spec
+            self.flops = model_flops_per_step(flops_spec, self.schedule, step_config,
+                                              abstract_batch)
+        self.params = param_count(self.spec)
+        self.peak_bytes = compiled_peak_bytes(self.compiled)
+        self.seed = seed
+        self._init_run_state(checkpoint_every, checkpoint_root)
+
+    def _init_run_state(self, checkpoint_every: int | None, checkpoint_root: str | None):
+        self.steps_done = 0
+        self.saves = 0
+        self.last_loss = math.nan
+        self.checkpoint_every = checkpoint_every
+        self._ckpt_dir = None
+        self.checkpointer = None
+        if checkpoint_every:
+            self._ckpt_dir = tempfile.mkdtemp(prefix=f"bench_{self.label}_", dir=checkpoint_root)
+            self.checkpointer = ckpt_lib.Checkpointer(
+                self._ckpt_dir,
+                ckpt_lib.CheckpointConfig(save_every=checkpoint_every, max_to_keep=2,
+                                          async_save=True))
+
+    def sibling(self, label: str, checkpoint_every: int | None = None,
+                checkpoint_root: str | None = None) -> TrainBench:
+        """The same compiled step with its own fresh state (and checkpoint policy)."""
+        other = copy.copy(self)
+        other.label = label
+        with jax.set_mesh(self.mesh):
+            other.state = state_lib.init_state(self.spec, self.seed)
+        other._init_run_state(checkpoint_every, checkpoint_root)
+        return other
+
+    def step(self) -> float:
+        """Run one train step to completion (plus the save call); returns seconds."""
+        with jax.set_mesh(self.mesh):
+            t0 = time.perf_counter()
+            self.state, metrics = self.compiled(self.state, self.batch)
+            jax.block_until_ready((self.state, metrics))
+            self.steps_done += 1
+            if self.checkpointer is not None:
+                self.saves += int(self.checkpointer.save(self.steps_done, self.state))
+            dt = time.perf_counter() - t0
+        self.last_loss = float(metrics["loss"])
+        return dt
+
+    def close(self) -> float:
+        """Finish pending saves (returns the seconds it waited) and delete the checkpoints."""
+        waited = 0.0
+        if self.checkpointer is not None:
+            t0 = time.perf_counter()
+            self.checkpointer.close()
+            waited = time.perf_counter() - t0
+            shutil.rmtree(self._ckpt_dir, ignore_errors=True)
+            self.checkpointer = None
+        return waited
+
+    def summary(self, times: Sequence[float], matmul_peak_flops: float,
+                accel_peak_flops: float, use_mean: bool = False) -> dict[str, Any]:
+        """Figures from ``times`` (seconds per step): the median, or the mean where periodic
+        costs (a save every k steps) must count."""
+        med = statistics.median(times) if times else math.nan
+        mean = statistics.fmean(times) if times else math.nan
+        step_s = mean if use_mean else med
+        tok_s = self.bench.tokens_per_step / step_s
+        achieved = self.flops / step_s
+        return {
+            "label": self.label,
+            "architecture": self.model_config.architecture,
+            "params": self.params,
+            "compile_s": self.compile_s,
+            "step_s": step_s,
+            "step_s_statistic": "mean" if use_mean else "median",
+            "step_s_median": med,
+            "step_s_mean": mean,
+            "step_s_min": min(times) if times else math.nan,
+            "steps_timed": len(times),
+            "tokens_per_s": tok_s,
+            "flops_per_step": self.flops,
+            "achieved_flops": achieved,
+            "mfu_vs_matmul_peak": achieved / matmul_peak_flops,
+            "mfu_vs_accelerator_peak": achieved / accel_peak_flops,
+            "compiled_peak_bytes": self.peak_bytes,
+            "last_loss": self.last_loss,
+        }
+
+
+def time_round_robin(benches: Sequence[TrainBench], steps: int,
+                     warmup: int = 2) -> list[list[float]]:
+    """``warmup`` untimed steps each, then ``steps`` timed steps each, interleaved:
+    seconds per timed step, one list per bench (in order)."""
+    for b in benches:
+        for _ in range(warmup):
+            b.step()
+    times: list[list[float]] = [[] for _ in benches]
+    for _ in range(steps):
+        for b, t in zip(benches, times, strict=True):
+            t.append(b.step())
+    return times

@@ -1,0 +1,126 @@
+"""tools/bench.py: a smoke run on ``tiny`` (so the script never rots), its FLOP counter,
+target arithmetic and flag errors. Speed targets live in the script's output, not here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ode_lm import bench_utils as bu
+
+
+@pytest.fixture(scope="module")
+def bench_cli(repo_root):
+    spec = importlib.util.spec_from_file_location("bench_cli", repo_root / "tools" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dot_flops_counts_scan_bodies_and_gradients():
+    def f(w, x):
+        def body(h, _):
+            return jnp.tanh(h @ w), None  # [4, 8] @ [8, 8]: 2*4*8*8 = 512 FLOPs
+
+        return jax.lax.scan(body, x, None, length=3)[0].sum()
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    assert bu.dot_flops(jax.make_jaxpr(f)(w, x).jaxpr) == 3 * 512
+    # backward: one matmul for dx and one for dw per step -> 3x the forward
+    assert bu.dot_flops(jax.make_jaxpr(jax.grad(f))(w, x).jaxpr) == 3 * 3 * 512
+
+
+def test_matmul_peak_is_a_rate():
+    peak = bu.matmul_peak("float32", n=128, repeats=2)
+    assert math.isfinite(peak) and peak > 1e6  # any CPU does > 1 MFLOP/s
+
+
+def test_configs_match_the_issue():
+    tiny, small = bu.get_config("tiny"), bu.get_config("cpu_small")
+    assert (tiny.d_model, tiny.num_heads, tiny.num_steps, tiny.seq_len, tiny.batch_size,
+            tiny.vocab_size, tiny.time_embed_dim, tiny.sinusoidal_dim) == (
+                128, 4, 4, 128, 8, 2048, 20, 16)
+    assert (small.d_model, small.num_heads, small.num_steps, small.seq_len, small.batch_size,
+            small.vocab_size, small.time_embed_dim, small.sinusoidal_dim) == (
+                256, 4, 6, 256, 8, 8192, 20, 64)
+    vanilla = small.model_config("parallel")
+    assert vanilla.num_layers == small.num_steps and vanilla.architecture == "parallel"
+    with pytest.raises(ValueError, match="--config='huge'"):
+        bu.get_config("huge")
+
+
+def test_targets_arithmetic(bench_cli):
+    vanilla = {"step_s": 1.0, "mfu_vs_matmul_peak": 0.6, "params": 1000,
+               "compiled_peak_bytes": 10_000}
+    ode = {"step_s": 1.2, "mfu_vs_matmul_peak": 0.55, "params": 1500,
+           "compiled_peak_bytes": 18_000}
+    ckpt = [{"variant": "no saves", "tokens_per_s": 100.0},
+            {"variant": "async save every 10", "tokens_per_s": 99.0},
+            {"variant": "async save every step", "tokens_per_s": 85.0}]
+    t = bench_cli._targets({"compare": [vanilla, ode], "checkpoint": ckpt})
+    assert t["ode_vanilla_step_ratio"]["value"] == pytest.approx(1.2)
+    assert t["ode_vanilla_step_ratio"]["met"] is False
+    assert t["ode_mfu_vs_matmul_peak"]["met"] is True
+    # limit = 1.1 * (10_000 + 16 * 500) = 19_800 >= 18_000
+    assert t["ode_peak_memory_bytes"]["limit"] == pytest.approx(19_800)
+    assert t["ode_peak_memory_bytes"]["met"] is True
+    assert t["ckpt_every_step_throughput_kept"]["value"] == pytest.approx(0.85)
+    assert t["ckpt_every_step_throughput_kept"]["met"] is False
+    assert t["ckpt_every_10_throughput_kept"]["met"] is None  # reported, no target
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--config", "huge"], "--config='huge'"),
+    (["--steps", "0"], "--steps=0"),
+    (["--sections", "compare,nope"], "--sections='compare,nope'"),
+    (["--platform", "quantum"], "--platform='quantum'"),
+    (["--json", "/no/such/dir/out.json"], "--json='/no/such/dir/out.json'"),
+])
+def test_bad_flags_name_the_flag(bench_cli, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        bench_cli.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_smoke_tiny(repo_root, tmp_path):
+    """The real script on ``tiny``: 2 timed steps, the comparison and checkpoint sections."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the real single device
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(repo_root / "tools" / "bench.py"), "--config", "tiny",
+         "--steps", "2", "--warmup", "1", "--sections", "compare,checkpoint",
+         "--matmul-size", "512", "--checkpoint-dir", str(tmp_path), "--json", str(out)],
+        cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ODE / vanilla step time" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["platform"] == "cpu" and len(result["devices"]) == 1
+    vanilla, ode = result["groups"]["compare"]
+    assert (vanilla["architecture"], ode["architecture"]) == ("parallel", "ode")
+    assert ode["params"] > vanilla["params"]  # the hypernetwork coefficients
+    for row in (vanilla, ode):
+        assert row["steps_timed"] == 2 and row["step_s"] > 0
+        assert row["tokens_per_s"] == pytest.approx(8 * 128 / row["step_s"])
+        assert math.isfinite(row["last_loss"]) and row["flops_per_step"] > 0
+        assert row["compiled_peak_bytes"] > 0
+    # the ODE does at least the vanilla model's matmuls (plus weight generation)
+    assert ode["flops_per_step"] >= vanilla["flops_per_step"]
+    ratio = result["targets"]["ode_vanilla_step_ratio"]["value"]
+    assert ratio == pytest.approx(ode["step_s"] / vanilla["step_s"])
+    rows = {r["variant"]: r for r in result["groups"]["checkpoint"]}
+    assert rows["async save every step"]["saves"] == 3  # 1 warm-up + 2 timed steps
+    assert rows["async save every 10"]["saves"] == 0
+    assert not list(tmp_path.glob("bench_ckpt*"))  # timed checkpoints are cleaned up

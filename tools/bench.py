@@ -1,0 +1,278 @@
+"""Train-step benchmark: DiffEqFormer vs the vanilla parallel-block baseline, variants,
+checkpoint and solver cost. Prints a table and the targets; ``--json`` writes every figure.
+
+    python tools/bench.py --config cpu_small --json bench.json
+    python tools/bench.py --config gpu_large --platform gpu     # on an accelerator
+
+It times the trainer's own jitted train step (``ode_lm.training.step.jit_train_step``) on
+whatever ``jax.devices()`` gives (all of them on the FSDP axis). Benches compared with each
+other run round-robin, one step each in turn, so load on a shared host hits them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint")
+PLATFORMS = ("auto", "cpu", "gpu", "tpu")
+
+# Targets of issue 6 (on the 2-core CPU, config cpu_small).
+TARGET_ODE_RATIO = 1.10
+TARGET_MFU = 0.50
+TARGET_CKPT_KEEP = 0.90
+TARGET_MEMORY_SLACK = 1.10
+BYTES_PER_EXTRA_PARAM = 4 * 4  # params, grads, two Adam moments; float32
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="cpu_small", help="tiny | cpu_small | gpu_large")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per bench (>= 1)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per bench first (>= 1)")
+    p.add_argument("--json", default=None, help="write all figures to this JSON file")
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma list of {','.join(SECTIONS)}")
+    p.add_argument("--platform", default="auto", help="auto (jax.devices()) | cpu | gpu | tpu")
+    p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n peak matmul")
+    p.add_argument("--peak-flops", type=float, default=None,
+                   help="accelerator peak FLOP/s of the whole mesh (default: trainer's table)")
+    p.add_argument("--checkpoint-dir", default=None, help="where the timed saves go (a tmp dir)")
+    args = p.parse_args(argv)
+    _validate(p, args)
+    if args.platform != "auto":  # before jax is imported
+        os.environ["JAX_PLATFORMS"] = args.platform
+    from ode_lm.bench_utils import CONFIGS
+
+    if args.config not in CONFIGS:
+        p.error(f"--config={args.config!r}: expected one of {sorted(CONFIGS)}")
+    return args
+
+
+def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.steps < 1:
+        p.error(f"--steps={args.steps}: must be >= 1")
+    if args.warmup < 1:
+        p.error(f"--warmup={args.warmup}: must be >= 1 (the first call may include set-up)")
+    if args.platform not in PLATFORMS:
+        p.error(f"--platform={args.platform!r}: expected one of {PLATFORMS}")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad or not sections:
+        p.error(f"--sections={args.sections!r}: unknown {bad}; expected a comma list of "
+                f"{SECTIONS}")
+    args.sections = sections
+    if args.json:
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            p.error(f"--json={args.json!r}: directory {parent} does not exist")
+    if args.checkpoint_dir and not os.path.isdir(args.checkpoint_dir):
+        p.error(f"--checkpoint-dir={args.checkpoint_dir!r} is not a directory")
+    if args.peak_flops is not None and args.peak_flops <= 0:
+        p.error(f"--peak-flops={args.peak_flops}: must be > 0")
+    if args.matmul_size < 64:
+        p.error(f"--matmul-size={args.matmul_size}: must be >= 64")
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Build, compile and time every requested bench; print the table; return the figures."""
+    import jax
+
+    from ode_lm import bench_utils as bu
+
+    cfg = bu.get_config(args.config)
+    devices = jax.devices()
+    if cfg.batch_size % len(devices):
+        raise SystemExit(f"bench: --config={cfg.name} batch {cfg.batch_size} does not split "
+                         f"over {len(devices)} devices")
+    mesh = bu.make_mesh(devices)
+    n = cfg.num_steps
+    print(f"config {cfg.name}: d_model {cfg.d_model}, {cfg.num_heads} heads, N={n}, "
+          f"seq {cfg.seq_len}, batch {cfg.batch_size}, vocab {cfg.vocab_size}, "
+          f"D={cfg.time_embed_dim}, S={cfg.sinusoidal_dim}, {cfg.dtype}")
+    print(f"devices: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}); "
+          f"load average {_load()}")
+    mm_peak = bu.matmul_peak("float32", args.matmul_size)
+    if args.peak_flops:
+        acc_peak, acc_src = args.peak_flops, "--peak-flops"
+    else:
+        acc_peak, acc_src = bu.accelerator_peak(devices, cfg.dtype)
+    print(f"measured fp32 jnp.dot peak ({args.matmul_size}^2): {mm_peak / 1e9:.1f} GFLOP/s; "
+          f"accelerator peak {acc_peak / 1e9:.1f} GFLOP/s ({acc_src})")
+
+    base = cfg.model_config("ode")
+    cache: dict = {}
+
+    def bench(model_config, label: str):
+        if model_config not in cache:
+            b = bu.TrainBench(label, cfg, model_config, mesh)
+            print(f"  compiled {label:<28} {b.compile_s:7.1f} s, {b.params / 1e6:.2f} M params",
+                  flush=True)
+            cache[model_config] = b
+        return cache[model_config]
+
+    ode_label = f"ode {base.solver} N={n} {base.weight_generation}"
+    ode = bench(base, ode_label)
+    plan: list[tuple[str, list[tuple[str, object]], bool]] = []
+    if "compare" in args.sections:
+        vanilla = bench(cfg.model_config("parallel"), f"vanilla parallel L={n}")
+        plan.append(("compare", [(vanilla.label, vanilla), (ode_label, ode)], False))
+    if "weight_gen" in args.sections:
+        plan.append(("weight_gen", [
+            (f"weight gen {w}", ode if w == base.weight_generation else
+             bench(base.replace(weight_generation=w), f"ode weight gen {w}"))
+            for w in ("in_scan", "precompute")], False))
+    if "remat" in args.sections:
+        plan.append(("remat", [
+            (f"remat {r}", ode if r == base.remat else bench(base.replace(remat=r),
+                                                             f"ode remat {r}"))
+            for r in ("none", "dots_saveable", "full")], False))
+    if "dtype" in args.sections:
+        plan.append(("dtype", [
+            (d, ode if d == base.dtype else bench(base.replace(dtype=d), f"ode {d}"))
+            for d in ("float32", "bfloat16")], False))
+    if "solver" in args.sections:
+        plan.append(("solver", [
+            (f"{s} N={n}", ode if s == base.solver else bench(base.replace(solver=s),
+                                                             f"ode {s}"))
+            for s in ("euler", "midpoint", "rk4")], False))
+    if "checkpoint" in args.sections:
+        plan.append(("checkpoint", [
+            ("no saves", ode),
+            ("async save every 10", ode.sibling("ckpt10", 10, args.checkpoint_dir)),
+            ("async save every step", ode.sibling("ckpt1", 1, args.checkpoint_dir)),
+        ], True))
+
+    results: dict = {
+        "config": dataclasses.asdict(cfg),
+        "command": "python tools/bench.py " + " ".join(sys.argv[1:]),
+        "devices": [str(d) for d in devices],
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "load_average_start": _load(),
+        "matmul_peak_flops": mm_peak,
+        "accelerator_peak_flops": acc_peak,
+        "accelerator_peak_source": acc_src,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "groups": {},
+    }
+    for group, members, use_mean in plan:
+        times = bu.time_round_robin([b for _, b in members], args.steps, args.warmup)
+        rows = []
+        for (label, b), t in zip(members, times, strict=True):
+            row = b.summary(t, mm_peak, acc_peak, use_mean=use_mean)
+            row["variant"] = label
+            if b.checkpointer is not None:
+                row["checkpoint_every"] = b.checkpoint_every
+                row["saves"] = b.saves
+                row["final_save_wait_s"] = b.close()
+            rows.append(row)
+        for row in rows:
+            row["relative_step_time"] = row["step_s"] / rows[0]["step_s"]
+        results["groups"][group] = rows
+    results["memory"] = {
+        "compiled_peak": "XLA buffer assignment of the compiled train step: arguments + "
+                         "temporaries + outputs - aliased (donated) bytes",
+        "process_peak_rss_bytes": bu.process_peak_rss_bytes(),
+    }
+    results["load_average_end"] = _load()
+    results["targets"] = _targets(results["groups"])
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=_json_default)
+        print(f"wrote {args.json}")
+    return results
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _json_default(x):
+    return float(x) if hasattr(x, "__float__") else str(x)
+
+
+def _targets(groups: dict) -> dict:
+    """Each target: measured value, limit and whether it is met (None: not measured)."""
+    out: dict = {}
+    if "compare" in groups:
+        vanilla, ode = groups["compare"]
+        out["ode_vanilla_step_ratio"] = _target(
+            ode["step_s"] / vanilla["step_s"], TARGET_ODE_RATIO, "<=")
+        out["ode_mfu_vs_matmul_peak"] = _target(ode["mfu_vs_matmul_peak"], TARGET_MFU, ">=")
+        if ode["compiled_peak_bytes"] and vanilla["compiled_peak_bytes"]:
+            extra = ode["params"] - vanilla["params"]
+            limit = TARGET_MEMORY_SLACK * (
+                vanilla["compiled_peak_bytes"] + BYTES_PER_EXTRA_PARAM * extra)
+            out["ode_peak_memory_bytes"] = _target(ode["compiled_peak_bytes"], limit, "<=")
+            out["ode_peak_memory_bytes"]["extra_params"] = extra
+    if "checkpoint" in groups:
+        rows = {r["variant"]: r for r in groups["checkpoint"]}
+        base = rows["no saves"]["tokens_per_s"]
+        for label, key in (("async save every step", "ckpt_every_step_throughput_kept"),
+                           ("async save every 10", "ckpt_every_10_throughput_kept")):
+            target = TARGET_CKPT_KEEP if "step" in label else None
+            out[key] = _target(rows[label]["tokens_per_s"] / base, target, ">=")
+    return out
+
+
+def _target(value: float, limit: float | None, op: str) -> dict:
+    met = None if limit is None else (value <= limit if op == "<=" else value >= limit)
+    return {"value": value, "limit": limit, "op": op, "met": met}
+
+
+def format_table(results: dict) -> str:
+    head = (f"{'group':<11} {'variant':<26} {'step ms':>9} {'tok/s':>9} {'rel':>6} "
+            f"{'MFU mm':>7} {'MFU acc':>7} {'compile s':>9} {'peak MiB':>9} {'params M':>8}")
+    lines = ["", head, "-" * len(head)]
+    for group, rows in results["groups"].items():
+        for r in rows:
+            peak = r["compiled_peak_bytes"]
+            stat = "*" if r["step_s_statistic"] == "mean" else " "
+            lines.append(
+                f"{group:<11} {r['variant']:<26} {1e3 * r['step_s']:>8.1f}{stat} "
+                f"{r['tokens_per_s']:>9.0f} {r['relative_step_time']:>6.3f} "
+                f"{100 * r['mfu_vs_matmul_peak']:>6.1f}% "
+                f"{100 * r['mfu_vs_accelerator_peak']:>6.1f}% "
+                f"{r['compile_s']:>9.1f} {'n/a' if peak is None else f'{peak / 2**20:.1f}':>9} "
+                f"{r['params'] / 1e6:>8.2f}")
+    lines.append("step ms: median of the timed steps (* = mean, so periodic saves count); "
+                 "rel: vs the first row of the group")
+    lines.append("MFU mm: vs the measured fp32 matmul peak; MFU acc: vs the accelerator peak; "
+                 "peak MiB: compiled buffer assignment (args + temp + out - aliased)")
+    lines.append(f"process peak RSS: {results['memory']['process_peak_rss_bytes'] / 2**20:.0f} "
+                 f"MiB; load average start {results['load_average_start']}, end "
+                 f"{results['load_average_end']}")
+    names = {
+        "ode_vanilla_step_ratio": "ODE / vanilla step time",
+        "ode_mfu_vs_matmul_peak": "ODE MFU vs measured matmul peak",
+        "ode_peak_memory_bytes": "ODE peak memory (bytes)",
+        "ckpt_every_step_throughput_kept": "throughput kept, save every step",
+        "ckpt_every_10_throughput_kept": "throughput kept, save every 10",
+    }
+    lines.append("targets (set for cpu_small on the 2-core CPU):")
+    for key, t in results["targets"].items():
+        value, limit = t["value"], t["limit"]
+        fmt = (lambda v: f"{v / 2**20:.1f} MiB") if "bytes" in key else (lambda v: f"{v:.3f}")
+        verdict = "" if t["met"] is None else ("MET" if t["met"] else "MISSED")
+        bound = "" if limit is None else f"{t['op']} {fmt(limit)}"
+        lines.append(f"  {names[key]:<36} {fmt(value):>12}  {bound:<16} {verdict}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    run_bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
