@@ -126,3 +126,35 @@ def test_tfds_data_source_built_locally(tmp_path):
     assert not any(bad for _, bad in docs)
     with pytest.raises(SourceError, match="tfds.data_source failed"):
         list(iter_documents(f"tfds:no_such_dataset?data_dir={tmp_path}"))
+
+
+def test_gs_paths_through_epath(tmp_path):
+    """gs:// sources go through etils.epath (mocked onto a local folder here)."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from etils.epath import testing
+
+    from ode_lm.data import DataConfig, prepare
+
+    (tmp_path / "raw").mkdir()
+    write_jsonl(tmp_path / "raw" / "a.jsonl", small_texts(5))
+    pq.write_table(pa.table({"text": small_texts(9)[5:]}), tmp_path / "raw" / "b.parquet")
+    local = str(tmp_path)
+
+    def remap(fn, path, *a, **k):
+        return fn(os.fspath(path).replace("gs://bucket", local), *a, **k)
+
+    def remap_glob(fn, path, *a, **k):
+        return [p.replace(local, "gs://bucket") for p in remap(fn, path, *a, **k)]
+
+    with testing.mock_epath(open=remap, exists=remap, isdir=remap, listdir=remap,
+                            glob=remap_glob, stat=remap, walk=remap):
+        assert list_files("gs://bucket/raw") == ["gs://bucket/raw/a.jsonl",
+                                                 "gs://bucket/raw/b.parquet"]
+        assert [t for t, _ in iter_documents("gs://bucket/raw/*")] == small_texts(9)
+        m = prepare(DataConfig(data_dir=str(tmp_path / "out"), source="gs://bucket/raw",
+                               tokenizer="bytes", holdout_fraction=0.0),
+                    num_proc=1, progress=False, log=lambda *_: None)
+    assert m["splits"]["train"]["documents"] == 9

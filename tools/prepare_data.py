@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ode_lm.data.config import DataConfig, default_data_dir
+from ode_lm.data.config import DataConfig
 from ode_lm.data.prepare import PreparedDataError, prepare
 from ode_lm.data.sources import SourceError
 
@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     d = DataConfig()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=d.source, help="builtin | paths/globs/dirs | tfds:<name>")
-    ap.add_argument("--data_dir", default=default_data_dir())
+    ap.add_argument("--data_dir", default=None,
+                    help="output dir (default: a cache dir keyed by source/tokenizer/holdout)")
     ap.add_argument("--tokenizer", default=d.tokenizer)
     ap.add_argument("--text_field", default=d.text_field)
     ap.add_argument("--text_delimiter", default=None,
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     for split, info in m["splits"].items():
         print(f"{split}: {info['documents']} documents, {info['tokens']} tokens, "
               f"{len(info['shards'])} shards")
-    print(f"manifest: {args.data_dir}/manifest.json (vocab {m['vocab_size']}, eos {m['eos_id']})")
+    print(f"manifest: {cfg.data_dir}/manifest.json (vocab {m['vocab_size']}, eos {m['eos_id']})")
     return 0
 
 

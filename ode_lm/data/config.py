@@ -6,15 +6,21 @@ A plain dataclass: the trainer registers it with gin, nothing in ``ode_lm.data``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import re
 import tempfile
 
 PACKINGS = ("concat", "first_fit")
 
 
-def default_data_dir() -> str:
+def default_data_dir(source: str = "builtin", tokenizer: str = "bpe:4096",
+                     holdout_fraction: float = 0.0005, holdout_seed: int = 2357) -> str:
+    """A cache dir keyed by what decides the prepared data ($ODE_LM_CACHE or /tmp)."""
     base = os.environ.get("ODE_LM_CACHE") or os.path.join(tempfile.gettempdir(), "ode_lm_cache")
-    return os.path.join(base, "data", "builtin-bpe4096")
+    key = hashlib.sha1(f"{source}|{tokenizer}|{holdout_fraction}|{holdout_seed}".encode())
+    name = re.sub(r"[^A-Za-z0-9]+", "-", f"{source[-24:]}-{tokenizer[-24:]}").strip("-")
+    return os.path.join(base, "data", f"{name}-{key.hexdigest()[:8]}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +32,8 @@ class DataConfig:
     """
 
     # --- where the data is and how it was / is tokenized ---
-    # prepared shards + manifest.json
-    data_dir: str = dataclasses.field(default_factory=default_data_dir)
+    # prepared shards + manifest.json; None = a cache dir keyed by source/tokenizer/holdout
+    data_dir: str | None = None
     source: str = "builtin"          # raw source spec (ode_lm.data.sources): prepare/streaming
     tokenizer: str = "bpe:4096"      # tokenizer spec (see ode_lm.data.tokenizers)
     text_field: str = "text"         # jsonl/parquet/tfds field holding the text
@@ -56,6 +62,9 @@ class DataConfig:
     interleave_files: int = 4        # files read concurrently per host
 
     def __post_init__(self) -> None:
+        if not self.data_dir:
+            object.__setattr__(self, "data_dir", default_data_dir(
+                self.source, self.tokenizer, self.holdout_fraction, self.holdout_seed))
         if self.packing not in PACKINGS:
             raise ValueError(f"DataConfig.packing={self.packing!r}: use one of {PACKINGS}")
         if self.seq_len < 1 or self.global_batch_size < 1:
