@@ -143,3 +143,10 @@ def test_a_batch_too_big_for_hbm_exits_1():
     assert "fits         NO" in r.stdout
     assert "aot_compile.py: does not fit: the train step needs" in r.stderr
     assert "on v5e:2x2 (16 GiB HBM)" in r.stderr
+
+
+def test_required_memory_is_read_from_the_compile_error():
+    msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+           "temporaries (209.36G) exceeds available HBM (95.74G).")
+    assert aot_compile._required_bytes(msg) / GiB == pytest.approx(209.36)
+    assert aot_compile._required_bytes("RESOURCE_EXHAUSTED: something else") == 0

@@ -49,9 +49,11 @@ def test_grid_expands_to_one_run_per_point(sweep_file, tmp_path):
     assert b == {"TrainConfig.num_train_steps": 50, "DataConfig.seq_len": 64,
                  "ModelConfig.d_model": 128, "ModelConfig.num_steps": 8,
                  "ModelConfig.time_embed_dim": 20, "ModelConfig.num_heads": 4,
-                 "TrainConfig.model_dir": r.model_dir}
+                 "train.model_dir": r.model_dir}
     assert r.gin_flags()[0] == f"--gin_file={base}"
-    assert f"--gin.TrainConfig.model_dir='{r.model_dir}'" in r.gin_flags()
+    assert f"--gin.train.model_dir={r.model_dir}" in r.gin_flags()
+    assert sweep.gin_literal("full") == "full" and sweep.gin_literal("None") == "'None'"
+    assert sweep.gin_literal("a b") == "'a b'" and sweep.gin_literal([1, 2]) == "(1, 2)"
     assert len({r.model_dir for r in runs}) == len(runs)
 
 
@@ -104,7 +106,7 @@ def test_cli_lists_runs_and_prints_launch_commands(sweep_file, tmp_path, capsys)
     assert len(lines) == 12
     assert lines[0].startswith(
         f"launch/tpu_vm.sh --tpu pod --zone us-east5-a --project p --gin_file={base} ")
-    assert "'--gin.TrainConfig.model_dir='\"'\"'gs://b/sw/grid-w64-n2-d8'\"'\"''" in lines[0]
+    assert lines[0].endswith(" --gin.train.model_dir=gs://b/sw/grid-w64-n2-d8")
     assert sweep.main([str(path), "--root", "r", "--only", "nope"]) == 2
     assert "--only names ['nope']" in capsys.readouterr().err
 

@@ -191,6 +191,15 @@ def count_params(abstract_params) -> tuple[int, int]:
     return total, hyper
 
 
+def analytic_flops_per_token(model, num_steps: int | None, seq_len: int) -> float:
+    """Training FLOPs per token from ode_lm.models.accounting (NaN if unavailable)."""
+    try:
+        from ode_lm.models.accounting import flops_per_token
+    except ImportError:
+        return float("nan")
+    return float(flops_per_token(model, num_steps, seq_len=seq_len).training)
+
+
 def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: int) -> Report:
     """Lower + compile the trainer's jit'ed train step on the topology's mesh."""
     import jax
@@ -216,8 +225,8 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     total, hyper = count_params(spec.abstract_params)
     report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, total, hyper,
                     fits=False, compile_seconds=0.0,
-                    analytic_flops_per_token=trainer_lib._safe_flops_per_token(
-                        model, cfg["step"].num_steps))
+                    analytic_flops_per_token=analytic_flops_per_token(
+                        model, cfg["step"].num_steps, data.seq_len))
     step_fn = step_lib.jit_train_step(spec, schedule, cfg["step"])
     batch = step_lib.abstract_batch(spec, global_batch, data.seq_len)
     start = time.perf_counter()
@@ -229,6 +238,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
             raise
         report.compile_seconds = time.perf_counter() - start
         report.error = _first_line(str(e))
+        report.temp_bytes = report.peak_bytes = _required_bytes(str(e))
         return report
     report.compile_seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
@@ -244,6 +254,14 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     report.compiled_flops = float(cost.get("flops", float("nan")))
     report.fits = report.peak_bytes <= topo.chip.hbm_bytes
     return report
+
+
+def _required_bytes(message: str) -> int:
+    """The size XLA says it needed in a RESOURCE_EXHAUSTED message (0 when not stated)."""
+    m = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM", message)
+    if not m:
+        return 0
+    return int(float(m[1]) * 1024 ** "KMGT".index(m[2]) * 1024)
 
 
 def _first_line(text: str) -> str:
@@ -318,7 +336,8 @@ def describe(r: Report, step_time: float) -> str:
 
 def table_row(label: str, r: Report) -> str:
     mesh = "x".join(str(v) for v in r.mesh_shape.values())
-    used = f"{r.peak_bytes / GiB:.1f} GiB" if not r.error else "> HBM"
+    used = f"{r.peak_bytes / GiB:.1f} GiB" if not r.error else (
+        f"≥ {r.peak_bytes / GiB:.0f} GiB" if r.peak_bytes else "> HBM")
     return (f"| {label} | {r.params_hypernetwork / 1e9:.3g}B | {r.params_total / 1e9:.3g}B | "
             f"{r.topology.name} | {mesh} | {r.global_batch}x{r.seq_len} | {used} / "
             f"{r.topology.chip.hbm_bytes / GiB:.0f} GiB | {'yes' if r.fits else 'no'} |")
@@ -366,7 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.table_label:
         print(table_row(args.table_label, report))
     if not report.fits:
-        need = f"{report.peak_bytes / GiB:.2f} GiB" if not report.error else "more than HBM"
+        need = (f"{report.peak_bytes / GiB:.2f} GiB" if not report.error else
+                f"at least {report.peak_bytes / GiB:.1f} GiB" if report.peak_bytes else
+                "more than HBM")
         print(f"aot_compile.py: does not fit: the train step needs {need} per chip on "
               f"{topo.name} ({topo.chip.hbm_bytes / GiB:.0f} GiB HBM); lower the batch, use "
               "--remat=full, or add chips", file=sys.stderr)

@@ -72,9 +72,10 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def analytic_flops_per_token(config) -> float:
+    """Training FLOPs per token (forward + backward, weight generation included)."""
     from ode_lm.models.accounting import flops_per_token
 
-    return float(flops_per_token(config, config.num_steps))
+    return float(flops_per_token(config, config.num_steps).training)
 
 
 def find_runs(paths: Sequence[str]) -> list[str]:

@@ -8,7 +8,7 @@ A sweep file (``configs/sweeps/*.gin``) holds ``Sweep.*`` bindings with literal 
     Sweep.num_steps = [2, 4, 8]
     Sweep.time_embed_dims = [20]
     Sweep.head_dim = 32                       # optional: num_heads = width // head_dim
-    Sweep.bindings = {'TrainConfig.num_train_steps': 200}
+    Sweep.bindings = {'train.num_train_steps': 200}
 
 Each point becomes gin bindings plus a model dir ``ROOT/<name>-w<W>-n<N>-d<D>``. The runs
 are listed (default), trained here one after another (``--run``), or printed as
@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -42,7 +43,7 @@ DEFAULT_PARAMS = {
     "steps_param": "ModelConfig.num_steps",
     "time_embed_param": "ModelConfig.time_embed_dim",
     "heads_param": "ModelConfig.num_heads",
-    "model_dir_param": "TrainConfig.model_dir",
+    "model_dir_param": "train.model_dir",
 }
 
 
@@ -82,7 +83,11 @@ class Run:
 
 
 def gin_literal(value: Any) -> str:
-    """A Python value as gin source text (gin literals are Python literals)."""
+    """A value as ``--gin.NAME=VALUE`` text: gin literals are Python literals, and the
+    trainer's flag parser takes a bare word (a path, a policy name) as a string."""
+    if isinstance(value, str) and re.fullmatch(r"[A-Za-z_/.][A-Za-z0-9_./:@+-]*", value):
+        if value not in ("True", "False", "None"):
+            return value
     return repr(tuple(value) if isinstance(value, list) else value)
 
 
