@@ -4,8 +4,9 @@
   python tools/bench_data.py --data_dir=/data/owt_gpt2 --tokenizer=tiktoken:gpt2 \\
       --stream_source='/data/owt/*.parquet'
 
-Counts every token of every batch row (inputs), after a warm-up batch; also prints the
-1-minute load average, since other processes on the machine slow the figures down.
+Counts every token of every batch row (inputs), after a warm-up batch. Also prints tokens
+per CPU-second of this process (worker processes excluded) and the load average: on a shared
+machine the wall-clock figure mostly measures the other processes.
 """
 
 from __future__ import annotations
@@ -21,18 +22,20 @@ from ode_lm.data import DataConfig, ensure_prepared, make_train_iterator
 from ode_lm.data.corpus import builtin_documents
 
 
-def measure(cfg: DataConfig, seconds: float, min_batches: int = 5) -> tuple[float, int]:
+def measure(cfg: DataConfig, seconds: float, min_batches: int = 5) -> tuple[float, float, int]:
+    """(wall-clock tokens/s, tokens per CPU-second of this process, batches)."""
     it = make_train_iterator(cfg, process_index=0, process_count=1)
     next(it)  # warm-up: opens shards / files, fills the first block
     n_tok = n = 0
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     while n < min_batches or time.perf_counter() - start < seconds:
         n_tok += next(it)["inputs"].size
         n += 1
     rate = n_tok / (time.perf_counter() - start)
+    per_cpu = n_tok / max(time.process_time() - cpu, 1e-9)
     if hasattr(it, "close"):
         it.close()
-    return rate, n
+    return rate, per_cpu, n
 
 
 def builtin_jsonl(n_files: int) -> str:
@@ -73,16 +76,18 @@ def main(argv: list[str] | None = None) -> None:
           f"{tr['tokens'] / tr['documents']:.0f} tokens/doc), seq_len {args.seq_len}, "
           f"batch {args.batch}, load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for packing in ("concat", "first_fit"):
-        rate, n = measure(dataclasses.replace(base, packing=packing), args.seconds)
-        print(f"  prepared  {packing:9s}: {rate / 1e6:6.2f} M tokens/s ({n} batches)")
+        rate, per_cpu, n = measure(dataclasses.replace(base, packing=packing), args.seconds)
+        print(f"  prepared  {packing:9s}: {rate / 1e6:6.2f} M tokens/s "
+              f"({per_cpu / 1e6:.2f} M per CPU-second, {n} batches)")
     if args.skip_streaming:
         return
     src = args.stream_source or builtin_jsonl(8)
     stream = dataclasses.replace(base, streaming=True, source=src,
                                  tokenizer=args.stream_tokenizer or args.tokenizer)
     for packing in ("concat",):
-        rate, n = measure(dataclasses.replace(stream, packing=packing), args.seconds)
-        print(f"  streaming {packing:9s}: {rate / 1e6:6.2f} M tokens/s ({n} batches, "
+        rate, per_cpu, n = measure(dataclasses.replace(stream, packing=packing), args.seconds)
+        print(f"  streaming {packing:9s}: {rate / 1e6:6.2f} M tokens/s "
+              f"({per_cpu / 1e6:.2f} M per CPU-second, {n} batches, "
               f"tokenizer {stream.tokenizer}, {args.workers} worker processes, "
               f"{args.threads} threads)")
     print(f"load avg after: {os.getloadavg()[0]:.1f}")
