@@ -1,0 +1,242 @@
+"""Adaptive-depth fine-tuning: ``python -m ode_lm.finetune --gin_file=configs/finetune/X.gin``.
+
+A DiffEqFormer pretrained with N steps is fine-tuned as an M-step model (the paper: N = 18,
+M ∈ {24, 18, 12, 9}), fully or with LoRA, in one of two modes:
+
+* ``continuous``: keep the hypernetwork and train the ODE solved with M steps; LoRA goes on
+  the hypernetworks' base weights W₀ (shared by every depth t);
+* ``materialised``: ``materialize(model, M)`` → an M-layer parallel-block transformer with
+  static weights, trained as such; LoRA goes on its stacked linear layers.
+
+Everything else is the trainer's (data, checkpoints, metrics, resume): this module only
+supplies ``model_fn`` (the LoRA wrapper), ``init_params_fn`` (the pretrained run, materialised
+and wrapped) and ``trainable`` (LoRA factors, plus embeddings if asked). It leaves
+``finetune.json`` in MODEL_DIR so exports rebuild and merge the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import gin
+import jax
+from flax import nnx
+
+from ode_lm.export.source import FINETUNE_FILE, run_data_dir
+from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
+from ode_lm.models.config import ModelConfig
+
+METHODS = ("full", "lora")
+MODES = ("continuous", "materialised")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """gin: ``FinetuneConfig.*`` (macros PRETRAINED_DIR, FINETUNE_STEPS, METHOD in configs)."""
+
+    pretrained_dir: str
+    num_steps: int  # M: solver steps (continuous) or layers (materialised)
+    method: str = "full"
+    mode: str = "continuous"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = ("qkv", "out", "mlp_*")
+    train_embeddings: bool = False  # LoRA: also train token/position embeddings and the head
+    pretrained_step: int | None = None  # None = latest
+
+    def __post_init__(self):
+        if not isinstance(self.num_steps, int) or self.num_steps <= 0:
+            raise ValueError(f"FINETUNE_STEPS={self.num_steps!r}: must be a positive number of "
+                             "solver steps")
+        if self.method not in METHODS:
+            raise ValueError(f"METHOD={self.method!r}: expected one of {METHODS}")
+        if self.mode not in MODES:
+            raise ValueError(f"FinetuneConfig.mode={self.mode!r}: expected one of {MODES}")
+
+    @property
+    def lora(self) -> LoRASpec:
+        return LoRASpec(self.lora_rank, self.lora_alpha, tuple(self.lora_targets))
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def check_pretrained(cfg: FinetuneConfig) -> tuple[ModelConfig, int]:
+    """(pretrained ModelConfig, checkpoint step); one clear error for a dir without a run."""
+    import orbax.checkpoint as ocp
+
+    from ode_lm.training.checkpoint import CHECKPOINT_SUBDIR, load_model_config
+
+    d = cfg.pretrained_dir
+    if not os.path.isdir(d):
+        raise FileNotFoundError(f"PRETRAINED_DIR={d}: no such directory")
+    ckpt_dir = os.path.join(d, CHECKPOINT_SUBDIR)
+    steps = sorted(ocp.utils.checkpoint_steps(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    if not steps:
+        raise FileNotFoundError(f"PRETRAINED_DIR={d}: no checkpoint under {ckpt_dir}; "
+                                "pretrain first (python -m ode_lm.train ...)")
+    config = load_model_config(d)
+    if config.architecture != "ode":
+        raise ValueError(f"PRETRAINED_DIR={d}: a {config.architecture} model; adaptive-depth "
+                         "fine-tuning needs an ODE (DiffEqFormer) run")
+    step = cfg.pretrained_step if cfg.pretrained_step is not None else steps[-1]
+    if step not in steps:
+        raise FileNotFoundError(f"FinetuneConfig.pretrained_step={step}: not in {ckpt_dir} "
+                                f"(have {steps})")
+    return config, step
+
+
+def check_tokenizer_match(pretrained_dir: str, data_config: Any, model: ModelConfig) -> None:
+    """The fine-tuning data must be tokenized exactly like the pretraining data."""
+    from ode_lm import data as data_lib
+
+    ft = data_lib.ensure_prepared(data_config)
+    pre_dir = run_data_dir(pretrained_dir)
+    if pre_dir and os.path.exists(os.path.join(pre_dir, "manifest.json")):
+        pre = data_lib.load_manifest(pre_dir)
+        a, b = pre["tokenizer"], ft["tokenizer"]
+        if a["sha256"] != b["sha256"] or a["vocab_size"] != b["vocab_size"]:
+            raise ValueError(
+                f"tokenizer mismatch: the pretrained run {pretrained_dir} used {a['spec']!r} "
+                f"(sha256 {a['sha256'][:12]}, {pre_dir}) but the fine-tuning data "
+                f"{data_config.data_dir} uses {b['spec']!r} (sha256 {b['sha256'][:12]}); "
+                f"use DataConfig.tokenizer='hf:{os.path.join(pre_dir, 'tokenizer.json')}'"
+            )
+    if ft["vocab_size"] > model.vocab_size:
+        raise ValueError(f"tokenizer mismatch: fine-tuning data {data_config.data_dir} has "
+                         f"{ft['vocab_size']} tokens, the pretrained model {model.vocab_size}")
+
+
+# ------------------------------------------------------------------------------ pieces
+
+
+def finetune_model_config(pretrained: ModelConfig, cfg: FinetuneConfig) -> ModelConfig:
+    if cfg.mode == "materialised":
+        return pretrained.replace(architecture="parallel", num_layers=cfg.num_steps)
+    return pretrained.replace(num_steps=cfg.num_steps)
+
+
+def make_model_fn(model_config: ModelConfig, cfg: FinetuneConfig):
+    if cfg.method == "lora":
+        return lora_model_fn(model_config, cfg.lora)
+    from ode_lm.training.trainer import default_model_fn
+
+    return default_model_fn(model_config)
+
+
+def make_init_params_fn(cfg: FinetuneConfig, model_config: ModelConfig, step: int, seed: int):
+    """(abstract params) → the pretrained run's params, materialised / LoRA-wrapped, sharded."""
+
+    def init(abstract_params: Any) -> Any:
+        from ode_lm.models.materialize import materialize
+        from ode_lm.training.trainer import restore_model
+
+        model, _, _ = restore_model(cfg.pretrained_dir, step)
+        if cfg.mode == "materialised":
+            model = materialize(model, cfg.num_steps, "euler")
+        if cfg.method == "lora":
+            model = LoRAModel(model, model_config, cfg.lora, nnx.Rngs(seed))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract_params)
+
+    return init
+
+
+def write_finetune_info(model_dir: str, cfg: FinetuneConfig, step: int) -> None:
+    os.makedirs(model_dir, exist_ok=True)
+    info = {"pretrained_dir": os.path.abspath(cfg.pretrained_dir), "pretrained_step": step,
+            "num_steps": cfg.num_steps, "method": cfg.method, "mode": cfg.mode,
+            "train_embeddings": cfg.train_embeddings,
+            "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
+                     "targets": list(cfg.lora_targets)}}
+    with open(os.path.join(model_dir, FINETUNE_FILE), "w") as f:
+        json.dump(info, f, indent=2)
+
+
+# ------------------------------------------------------------------------------ entry
+
+
+def _register(cls):
+    try:
+        return gin.external_configurable(cls, module="ode_lm")
+    except ValueError:
+        return gin.get_configurable(cls.__name__)
+
+
+GinFinetuneConfig = _register(FinetuneConfig)
+
+
+@gin.configurable("finetune", module="ode_lm")
+def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUIRED,
+                 data: Any = gin.REQUIRED, print_fn=print):
+    """Build the fine-tuning Trainer from gin and run it; returns (TrainResult, info dict)."""
+    from ode_lm.training import gin_setup
+    from ode_lm.training.trainer import Trainer
+
+    cfg = GinFinetuneConfig()
+    pretrained, step = check_pretrained(cfg)
+    check_tokenizer_match(cfg.pretrained_dir, data, pretrained)
+    model_config = finetune_model_config(pretrained, cfg)
+    model_fn = make_model_fn(model_config, cfg)  # LoRA targets are checked right here:
+    abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
+    trainable = lora_trainable(cfg.train_embeddings) if cfg.method == "lora" else None
+    n_train, n_total = count_params(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)), trainable)
+    print_fn(f"fine-tuning {cfg.pretrained_dir} (step {step}) at M={cfg.num_steps} "
+             f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
+             f"({100.0 * n_train / n_total:.2f}%)")
+    write_finetune_info(model_dir, cfg, step)
+    train_config = gin_setup.GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
+    step_config = gin_setup.GinStepConfig()
+    if cfg.mode == "continuous":
+        step_config = dataclasses.replace(step_config, num_steps=cfg.num_steps)
+    trainer = Trainer(
+        model_config=model_config, data_config=data, train_config=train_config,
+        optimizer_config=gin_setup.GinOptimizerConfig(), step_config=step_config,
+        checkpoint_config=gin_setup.GinCheckpointConfig(), mesh_config=gin_setup.GinMeshConfig(),
+        model_fn=model_fn,
+        init_params_fn=make_init_params_fn(cfg, model_config, step, train_config.seed),
+        trainable=trainable, operative_config=gin.operative_config_str, print_fn=print_fn,
+    )
+    result = trainer.run()
+    info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
+    with open(os.path.join(model_dir, "finetune_result.json"), "w") as f:
+        json.dump({**info, "step": result.step, "eval": result.eval}, f, indent=2)
+    return result, info
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from ode_lm.train import one_line, setup_logging, user_errors
+    from ode_lm.training import gin_setup
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = ("usage: python -m ode_lm.finetune --gin_file=configs/finetune/X.gin "
+             "[--gin.PRETRAINED_DIR=...] [--gin.FINETUNE_STEPS=M] [--gin.METHOD=full|lora]")
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage)
+        return 0
+    setup_logging()
+    try:
+        flags = gin_setup.parse_flags(argv)
+        if flags.rest:
+            raise ValueError(f"unknown flag {flags.rest[0]!r}; {usage}")
+        if not flags.files:
+            raise ValueError(f"no --gin_file given; {usage}")
+        gin_setup.parse_gin(flags)
+        result, _ = run_finetune()
+    except user_errors() as e:
+        if os.environ.get("ODE_LM_DEBUG"):
+            raise
+        print(f"ode-lm-finetune: error: {one_line(e)}", file=sys.stderr)
+        return 1
+    for k, v in result.eval.items():
+        print(f"{k}: {v:.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

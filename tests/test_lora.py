@@ -1,0 +1,97 @@
+"""LoRA on materialised linears and on the hypernetwork's base weights; merge for export."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from export_helpers import tiny_config
+from flax import nnx
+
+from ode_lm.lora import (
+    LoRAModel,
+    LoRASpec,
+    count_params,
+    lora_trainable,
+    merge_lora,
+)
+from ode_lm.models import build_model
+from ode_lm.models.materialize import materialize
+from ode_lm.training.optim import path_name
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 60, size=(2, 10)), jnp.int32)
+
+
+def _perturb(model: LoRAModel, seed: int = 1) -> None:
+    """Non-zero B so the update is visible (at init B = 0, the wrapper is the identity)."""
+    for i, t in enumerate(model.targets):
+        b = model.lora[t.key]["b"]
+        b[...] = 0.3 * jax.random.normal(jax.random.key(seed + i), b.shape)
+
+
+def test_materialised_lora_is_identity_at_init_and_merges_exactly():
+    ode = build_model(tiny_config("neox"), nnx.Rngs(0))
+    pm = materialize(ode, 4)
+    lora = LoRAModel(pm, pm.config, LoRASpec(rank=3, targets=("qkv", "mlp_out")), nnx.Rngs(1))
+    assert {t.key.split("__")[-1] for t in lora.targets} == {"qkv_kernel", "mlp_out_kernel"}
+    assert all(t.lead == (4,) for t in lora.targets)  # one A, B pair per layer
+    np.testing.assert_array_equal(np.asarray(lora(TOKENS)), np.asarray(pm(TOKENS)))
+    _perturb(lora)
+    wrapped = np.asarray(lora(TOKENS))
+    assert np.abs(wrapped - np.asarray(pm(TOKENS))).max() > 1e-3
+    merged = merge_lora(lora)
+    assert type(merged).__name__ == "ParallelLM"
+    np.testing.assert_allclose(np.asarray(merged(TOKENS)), wrapped, atol=1e-5)
+
+
+def test_continuous_lora_targets_hypernetwork_base_weights_at_every_depth():
+    cfg = tiny_config("llama")
+    ode = build_model(cfg, nnx.Rngs(0))
+    lora = LoRAModel(ode, cfg, LoRASpec(rank=2, targets=("mlp_*",)), nnx.Rngs(1))
+    paths = sorted("/".join(map(str, t.path)) for t in lora.targets)
+    assert paths == ["block/layers/mlp_gate/w0", "block/layers/mlp_out/w0",
+                     "block/layers/mlp_up/w0"]
+    _perturb(lora)
+    merged = merge_lora(lora)
+    for steps in (2, 5):  # the low-rank update is shared by every W(t)
+        np.testing.assert_allclose(np.asarray(merged(TOKENS, num_steps=steps)),
+                                   np.asarray(lora(TOKENS, num_steps=steps)), atol=1e-5)
+    delta = merged.block.layers["mlp_up"].w0[...] - ode.block.layers["mlp_up"].w0[...]
+    assert np.linalg.matrix_rank(np.asarray(delta), tol=1e-6) == 2
+    # the hypernetwork's time coefficients A_d are untouched
+    np.testing.assert_array_equal(merged.block.layers["mlp_up"].a[...],
+                                  ode.block.layers["mlp_up"].a[...])
+
+
+def test_gradients_reach_lora_factors_and_counts():
+    cfg = tiny_config("gpt2")
+    lora = LoRAModel(build_model(cfg, nnx.Rngs(0)), cfg, LoRASpec(rank=4), nnx.Rngs(1))
+    params = nnx.to_pure_dict(nnx.state(lora, nnx.Param))
+    pred = lora_trainable(train_embeddings=False)
+    n_train, n_total = count_params(params, pred)
+    lora_sizes = sum(int(x.size) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+                     if path_name(p).startswith("lora/"))
+    assert n_train == lora_sizes and 0 < n_train < n_total
+    with_emb, _ = count_params(params, lora_trainable(train_embeddings=True))
+    assert with_emb == n_train + 64 * 32 + 32 * 32  # token + position embeddings (tied head)
+
+    def loss(model):
+        return jnp.mean(model(TOKENS) ** 2)
+
+    grads = nnx.grad(loss)(lora)
+    g = nnx.to_pure_dict(grads)
+    b_grad = g["lora"][lora.targets[0].key]["b"]
+    assert float(jnp.abs(b_grad).max()) > 0  # B starts at zero, its gradient does not
+
+
+def test_target_matching_nothing_is_an_error():
+    cfg = tiny_config("gpt2")
+    with pytest.raises(ValueError, match=r"LoRA target\(s\) \['attn'\] match no linear layer"):
+        LoRAModel(build_model(cfg, nnx.Rngs(0)), cfg, LoRASpec(targets=("qkv", "attn")),
+                  nnx.Rngs(1))
+    with pytest.raises(ValueError, match="mlp_gate"):  # llama-only layer on a gpt2 model
+        LoRAModel(build_model(cfg, nnx.Rngs(0)), cfg, LoRASpec(targets=("mlp_gate",)),
+                  nnx.Rngs(1))
+    with pytest.raises(ValueError, match="rank=0"):
+        LoRASpec(rank=0)

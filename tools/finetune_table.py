@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""The README's adaptive-depth table: pretrain cpu_small at 6 steps, fine-tune at M steps.
+
+  python tools/finetune_table.py [--pretrain_steps=150] [--finetune_steps=30] [--depths=3,6,12]
+
+1. pretrains ``configs/finetune/pretrain_demo.gin`` (built-in corpus, 30% of documents held
+   out) unless its checkpoint exists;
+2. writes the held-out documents to a jsonl (the data module's own hold-out rule);
+3. fine-tunes ``configs/finetune/demo.gin`` at each M, full and LoRA (continuous mode);
+4. prints a markdown table: validation perplexity on the held-out part's own validation split
+   of the pretrained model solved at M steps (before) and of each fine-tune (after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = os.path.join(os.path.dirname(HERE), "configs")
+PRETRAIN_GIN = os.path.join(CONFIGS, "finetune", "pretrain_demo.gin")
+FINETUNE_GIN = os.path.join(CONFIGS, "finetune", "demo.gin")
+ROOT = "/tmp/ode_lm/runs/ft_demo"
+HOLDOUT_JSONL = "/tmp/ode_lm/data/heldout30.jsonl"
+
+
+def write_heldout(fraction: float, seed: int) -> int:
+    from ode_lm.data.corpus import builtin_documents
+    from ode_lm.data.prepare import is_validation
+
+    n = 0
+    os.makedirs(os.path.dirname(HOLDOUT_JSONL), exist_ok=True)
+    with open(HOLDOUT_JSONL + ".tmp", "w") as f:
+        for doc in builtin_documents():
+            if is_validation(doc, fraction, seed):
+                f.write(json.dumps({"text": doc}) + "\n")
+                n += 1
+    os.replace(HOLDOUT_JSONL + ".tmp", HOLDOUT_JSONL)
+    return n
+
+
+def zero_shot_perplexity(model, data_config, num_steps: int) -> float:
+    """The pretrained model solved at M steps on the fine-tuning validation split."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from ode_lm import data as data_lib
+
+    @nnx.jit
+    def sums(m, b):
+        logits = m(b["inputs"], b["positions"], b["segment_ids"], num_steps=num_steps)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
+        return (ce * b["loss_mask"]).sum(), b["loss_mask"].sum()
+
+    total, count = 0.0, 0.0
+    for batch in data_lib.make_eval_iterator(data_config):
+        s, n = sums(model, {k: jnp.asarray(v) for k, v in batch.items()})
+        total, count = total + float(s), count + float(n)
+    del jax
+    return math.exp(total / count)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--pretrain_steps", type=int, default=150)
+    p.add_argument("--finetune_steps", type=int, default=30)
+    p.add_argument("--depths", default="3,6,12")
+    p.add_argument("--methods", default="full,lora")
+    args = p.parse_args()
+
+    from ode_lm import finetune as ft
+    from ode_lm.training import gin_setup
+    from ode_lm.training.trainer import restore_model
+
+    t0 = time.time()
+    pre_dir = os.path.join(ROOT, "pretrain")
+    if not os.path.isdir(os.path.join(pre_dir, "checkpoints")):
+        gin_setup.parse_gin(gin_setup.GinFlags(
+            files=[PRETRAIN_GIN],
+            bindings=[f"TRAIN_STEPS = {args.pretrain_steps}", f"MODEL_DIR = '{pre_dir}'"]))
+        res = gin_setup.train()
+        print(f"pretrained {res.step} steps: {res.eval}")
+        data_cfg = gin_setup.GinDataConfig()
+    else:
+        gin_setup.parse_gin(gin_setup.GinFlags(files=[PRETRAIN_GIN]))
+        data_cfg = gin_setup.GinDataConfig()
+    print(f"held-out documents: {write_heldout(data_cfg.holdout_fraction, data_cfg.holdout_seed)}")
+    pretrained, _, _ = restore_model(pre_dir)
+    rows = []
+    for m in [int(x) for x in args.depths.split(",")]:
+        before = None
+        for method in args.methods.split(","):
+            out = os.path.join(ROOT, f"{method}{m}")
+            gin_setup.parse_gin(gin_setup.GinFlags(files=[FINETUNE_GIN], bindings=[
+                f"FINETUNE_STEPS = {m}", f"METHOD = '{method}'", f"MODEL_DIR = '{out}'",
+                f"PRETRAINED_DIR = '{pre_dir}'", f"TRAIN_STEPS = {args.finetune_steps}"]))
+            if before is None:
+                ft_data = gin_setup.GinDataConfig()
+                from ode_lm import data as data_lib
+
+                data_lib.ensure_prepared(ft_data)
+                before = zero_shot_perplexity(pretrained, ft_data, m)
+            if os.path.exists(os.path.join(out, "finetune_result.json")):
+                with open(os.path.join(out, "finetune_result.json")) as f:
+                    saved = json.load(f)
+                after, frac = saved["eval"]["eval/perplexity"], saved["fraction"]
+            else:
+                result, info = ft.run_finetune()
+                after, frac = result.eval["eval/perplexity"], info["fraction"]
+            rows.append((m, method, 100 * frac, before, after))
+    print(f"\n(total {time.time() - t0:.0f}s)\n")
+    print("| M (steps) | method | trainable % | ppl before (pretrained @ M) | ppl after |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for m, method, frac, before, after in rows:
+        print(f"| {m} | {method} | {frac:.1f} | {before:.2f} | {after:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
