@@ -191,3 +191,13 @@ def test_report_names_a_run_without_eval(tmp_path, capsys):
                                flops_fn=_fake_flops)
     assert scaling_report.main([str(tmp_path / "empty_missing"), "--out", str(tmp_path)]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_report_uses_the_models_training_flops():
+    """FLOPs per token come from ode_lm.models.accounting and grow with the ODE steps."""
+    from ode_lm.models.accounting import flops_per_token
+
+    cfgs = [ModelConfig(d_model=64, num_heads=2, num_steps=n) for n in (1, 2, 4)]
+    values = [scaling_report.analytic_flops_per_token(c) for c in cfgs]
+    assert values[0] == flops_per_token(cfgs[0], 1).training
+    assert 0 < values[0] < values[1] < values[2]
