@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ode_lm.analysis.blas import single_threaded
+
 VectorField = Callable[[jax.Array, jax.Array], jax.Array]
 SOLVERS = ("euler", "midpoint", "rk4")
 
@@ -203,7 +205,9 @@ def lyapunov_exponents(
     for n in range(num_steps):
         t = jnp.asarray(t0 + n * dt, dtype=x.dtype)
         x, jacs = step(x, t, jnp.asarray(dt, dtype=x.dtype), field_args)
-        q, log_r = qr_positive(tangent_step(q, np.asarray(jacs, dtype=np.float64), dt, solver))
+        jacs = np.asarray(jacs, dtype=np.float64)
+        with single_threaded():  # see blas.py: OpenBLAS threads cost ~30x more CPU here
+            q, log_r = qr_positive(tangent_step(q, jacs, dt, solver))
         logs += log_r
     exponents = -np.sort(-logs / (t1 - t0), axis=-1)
     return LyapunovResult(exponents=exponents, position=position, solver=solver,

@@ -146,23 +146,45 @@ def _token_ticks(ax, token_text: Sequence[str] | None, n: int) -> None:
     ax.set_xticklabels([repr(token_text[i])[1:-1][:12] for i in idx], rotation=90, fontsize=6)
 
 
+def _others(values: np.ndarray, position: int) -> np.ndarray:
+    """Values of every token except the explained one (its self-block dominates)."""
+    keep = np.ones(len(values), bool)
+    keep[position] = False
+    return values[keep] if keep.any() else values
+
+
 def plot_lyapunov_heatmap(exponents: np.ndarray, path, token_text: Sequence[str] | None = None,
                           position: int | None = None) -> pathlib.Path:
-    """Heatmap of exponent (rows, largest first) against input token (columns) + the score."""
+    """Heatmap of exponent (rows, largest first) against input token (columns) + the score.
+
+    The output token's own block (I + dt·J_jj) usually dwarfs the others, so the colour and
+    bar ranges are set by the *other* tokens and the output token's column saturates (its
+    value is written above its bar).
+    """
     exponents = np.asarray(exponents)
     n, k = exponents.shape
+    position = n - 1 if position is None else position
     fig, (top, ax) = plt.subplots(2, 1, figsize=(max(8, min(24, n * 0.15)), 7), sharex=True,
                                   gridspec_kw={"height_ratios": [1, 3]})
-    top.bar(np.arange(n), exponents.max(-1), color="C3", width=0.9)
+    score = exponents.max(-1)
+    others = _others(exponents, position)
+    top.bar(np.arange(n), score, color=["C0" if i == position else "C3" for i in range(n)],
+            width=0.9)
+    other_score = _others(score, position)
+    lo, hi = min(0.0, float(other_score.min())), float(other_score.max())
+    pad = 0.15 * (hi - lo or 1.0)
+    top.set_ylim(lo - (pad if lo < 0 else 0), hi + pad)
+    top.annotate(f"{score[position]:.3g}", (position, hi + 0.5 * pad), ha="center",
+                 fontsize=7, color="C0")
     top.set_ylabel("max exponent")
-    top.set_title("Lyapunov exponents of the prediction at position "
-                  f"{position if position is not None else n - 1} w.r.t. each input token")
-    vmax = float(np.abs(exponents).max()) or 1.0
+    top.set_title(f"Lyapunov exponents of the prediction at position {position} w.r.t. each "
+                  "input token (blue: the output token itself, off scale)")
+    vmax = float(np.abs(others).max()) or 1.0
     im = ax.imshow(exponents.T, aspect="auto", cmap="RdBu_r", vmin=-vmax, vmax=vmax,
                    interpolation="nearest")
     ax.set_ylabel("exponent index (largest first)")
     ax.set_xlabel("input token")
-    fig.colorbar(im, ax=[top, ax], label="exponent (1/unit time)", fraction=0.03)
+    fig.colorbar(im, ax=[top, ax], label="exponent (1/unit depth)", fraction=0.03)
     _token_ticks(ax, token_text, n)
     path = pathlib.Path(path)
     fig.savefig(path, dpi=110, bbox_inches="tight")

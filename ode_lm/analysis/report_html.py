@@ -35,16 +35,18 @@ def lyapunov_html(
     extra: np.ndarray | None = None,
     extra_name: str = "sum of exponents",
 ) -> pathlib.Path:
-    """Write the page: tokens as spans coloured by score (min → max), hover shows values.
+    """Write the page: tokens as spans coloured by score, hover shows values.
 
-    The token at ``position`` (the prediction being explained) is outlined; the legend is a
-    colour bar with the score range.
+    The token at ``position`` (the prediction being explained) is outlined. Its own block
+    (I + dt·J_jj) usually dominates every other token, so the colour range (the legend) is
+    set by the other tokens and the output token is shown saturated.
     """
     scores = np.asarray(scores, np.float64)
     if len(token_text) != len(scores):
         raise ValueError(f"lyapunov_html: {len(token_text)} tokens but {len(scores)} scores")
     cmap = matplotlib.colormaps[CMAP]
-    lo, hi = float(scores.min()), float(scores.max())
+    others = np.delete(scores, position) if len(scores) > 1 else scores
+    lo, hi = float(others.min()), float(others.max())
     span = hi - lo if hi > lo else 1.0
     spans = []
     for i, (tok, s) in enumerate(zip(token_text, scores, strict=False)):
@@ -80,7 +82,9 @@ table {{ border-collapse: collapse; }} td {{ padding: 0 0.8em; }}
 <p>Each input token is coloured by its <b>{html.escape(score_name)}</b>: how strongly a
 perturbation of that token's hidden state is stretched by the dynamics of the prediction at
 position <b>{position}</b> (outlined in blue). Tokens after that position cannot influence it
-(causal attention) and score exactly 0. Hover over a token for its values.</p>
+(causal attention) and score exactly 0. The colour range is set by the other tokens; the
+outlined token itself, whose own state feeds the prediction directly, scores
+{scores[position]:.4g} and is shown saturated. Hover over a token for its values.</p>
 <div class="legend"><div>{html.escape(score_name)} (low → high)</div>
 <div class="bar"></div><div class="ticks">{ticks}</div></div>
 <div class="text">{''.join(spans)}</div>

@@ -1,0 +1,59 @@
+"""Speed of the analyses on the cpu_small model: ``python -m ode_lm.analysis.bench``.
+
+Targets (README): Lyapunov exponents of a 128-token text < 60 s, spectra at 101 t values
+< 30 s, on a 2-core CPU. Times are wall clock and include compilation (what a CLI user
+waits for), and CPU time of this process (what it costs when the cores are not shared); a
+randomly initialised model costs exactly what a trained one does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+# configs/models/cpu_small.gin
+CPU_SMALL = dict(architecture="ode", flavour="gpt2", d_model=256, num_heads=4, num_steps=6,
+                 time_embed_dim=20, sinusoidal_dim=64, vocab_size=8192, max_seq_len=256)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--num_tokens", type=int, default=128)
+    p.add_argument("--num_times", type=int, default=101)
+    p.add_argument("--solver", default="euler", choices=("euler", "midpoint", "rk4"))
+    args = p.parse_args(argv)
+
+    from flax import nnx
+
+    from ode_lm.analysis import model_access
+    from ode_lm.models import ModelConfig, build_model
+
+    config = ModelConfig(**CPU_SMALL)
+    model = build_model(config, nnx.Rngs(0))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.num_tokens)
+    print(f"cpu_small: width {config.d_model}, {config.num_heads} heads, {config.num_steps} "
+          f"steps, D={config.time_embed_dim}, S={config.sinusoidal_dim}, vocab "
+          f"{config.vocab_size}; {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f}")
+
+    start, cpu = time.perf_counter(), time.process_time()
+    spec = model_access.model_spectra(model, np.linspace(0, 1, args.num_times))
+    print(f"spectra: {args.num_times} t values, {spec.qk.size + spec.ov.size + spec.mlp.size} "
+          f"eigenvalues: {time.perf_counter() - start:.1f} s wall, "
+          f"{time.process_time() - cpu:.1f} s CPU (target < 30 s)")
+
+    start, cpu = time.perf_counter(), time.process_time()
+    res = model_access.model_lyapunov(model, tokens, solver=args.solver)
+    print(f"lyapunov: {args.num_tokens} tokens x {res.exponents.shape[1]} exponents, "
+          f"{args.solver} x {res.num_steps} steps: {time.perf_counter() - start:.1f} s wall, "
+          f"{time.process_time() - cpu:.1f} s CPU (target < 60 s)")
+    print(f"load average after: {os.getloadavg()[0]:.1f} (other processes share the cores: "
+          "wall time on a busy machine exceeds CPU time)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
