@@ -9,7 +9,8 @@ it. The last row is padded (``loss_mask`` 0), rows are grouped into global batch
 ``[p*b, (p+1)*b)`` of every global batch. The sum of ``loss_mask`` over all hosts and batches
 equals the manifest's token count of the split, so the perplexity is exact over the whole
 split (or over the fixed prefix of ``eval_max_batches`` batches, if set). Context is at most
-``T`` tokens and restarts at row and document boundaries.
+``T`` tokens and restarts at row and document boundaries. Each host holds the split's tokens
+in memory (OpenWebText's 0.0005 holdout is ~4.5M tokens, ~36 MB as int64).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -258,8 +259,7 @@ def _assemble(cfg: DataConfig, tok: tok_lib.Tokenizer, dtype: str,
                          "tokens": sum(s["tokens"] for s in shards), "shards": shards}
     return {
         "format": FORMAT,
-        "source": {"spec": cfg.source, "text_field": cfg.text_field,
-                   "text_delimiter": cfg.text_delimiter},
+        "source": _describe_source(cfg),
         "tokenizer": tok_lib.describe(tok),
         "dtype": dtype,
         "holdout": {"fraction": cfg.holdout_fraction, "seed": cfg.holdout_seed,
@@ -271,6 +271,17 @@ def _assemble(cfg: DataConfig, tok: tok_lib.Tokenizer, dtype: str,
         "docs_per_shard": cfg.docs_per_shard,
         "splits": splits,
     }
+
+
+def _describe_source(cfg: DataConfig) -> dict[str, Any]:
+    info: dict[str, Any] = {"spec": cfg.source, "text_field": cfg.text_field,
+                            "text_delimiter": cfg.text_delimiter}
+    if sources_lib.is_builtin(cfg.source):
+        info["python"] = sys.version.split()[0]
+        info["documents"] = len(sources_lib.builtin_documents())
+    elif not cfg.source.startswith("tfds:"):
+        info["files"] = sources_lib.list_files(cfg.source)
+    return info
 
 
 def load_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
