@@ -27,7 +27,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     from ode_lm.data.prepare import PreparedDataError
 
     return (ValueError, TypeError, OSError, RuntimeError, KeyError, FloatingPointError,
-            PreparedDataError)
+            SyntaxError, PreparedDataError)
 
 
 class _GinSearchNoise(logging.Filter):

@@ -93,7 +93,7 @@ class Checkpointer:
     def check_compatible(self, step: int, abstract_state: Any) -> None:
         """Raise ShapeMismatchError naming the first parameter whose shape differs."""
         meta = self.manager.item_metadata(step)["state"]
-        saved = _flat_shapes(meta.get("params", {}) if isinstance(meta, dict) else {})
+        saved = _flat_shapes(meta.get("params", {}) if hasattr(meta, "get") else meta["params"])
         wanted = _flat_shapes(abstract_state["params"])
         for name, shape in wanted.items():
             if name not in saved:

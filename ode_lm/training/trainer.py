@@ -115,12 +115,14 @@ def default_model_fn(config: ModelConfig):
     return lambda rngs: build_model(config, rngs)
 
 
-def flops_per_token(config: ModelConfig, num_steps: int | None) -> float:
-    """Model FLOPs per trained token (fwd + bwd, weight generation included)."""
+def flops_per_token(
+    config: ModelConfig, num_steps: int | None, seq_len: int, tokens_per_batch: int
+) -> float:
+    """Model training FLOPs per token (fwd + bwd, weight generation included)."""
     from ode_lm.models.accounting import flops_per_token as fpt
 
-    result = fpt(config, num_steps or config.num_steps)
-    return float(getattr(result, "training", result))  # accounting returns FlopsPerToken
+    counts = fpt(config, num_steps, seq_len=seq_len, tokens_per_batch=tokens_per_batch)
+    return float(counts.training)
 
 
 class Trainer:
@@ -247,7 +249,10 @@ class Trainer:
         peak = metrics_lib.total_peak_flops(
             list(self.mesh.devices.flat), self.model_config.dtype, cfg.cpu_peak_flops
         )
-        fpt = _safe_flops_per_token(self.model_config, self.step_config.num_steps)
+        fpt = _safe_flops_per_token(
+            self.model_config, self.step_config.num_steps, self.data_config.seq_len,
+            tokens_per_step // self.step_config.microbatches,
+        )
         watcher = ckpt_lib.PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {})
         window, window_steps, pending = None, 0, None
@@ -347,9 +352,10 @@ def _markdown_code(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def _safe_flops_per_token(config: ModelConfig, num_steps: int | None) -> float:
+def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
+                          tokens_per_batch: int) -> float:
     try:
-        return flops_per_token(config, num_steps)
+        return flops_per_token(config, num_steps, seq_len, tokens_per_batch)
     except ImportError:
         log.warning("ode_lm.models.accounting not available: MFU reported as NaN")
         return float("nan")
