@@ -150,3 +150,126 @@ def test_two_processes_form_one_job():
     for i, o in enumerate(outs):
         assert o == {"mode": "explicit", "index": i, "count": 2, "local": 4, "global": 8,
                      "primary": i == 0, "total": expected}
+
+
+# ------------------------------------------------------------------ trainer, multi-host
+
+TRAIN_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from ode_lm import distributed
+    info = distributed.initialize()
+    import jax, numpy as np
+    from ode_lm.data.config import DataConfig
+    from ode_lm.models.config import ModelConfig
+    from ode_lm.partitioning import batch_sharding
+    from ode_lm.training.checkpoint import CheckpointConfig
+    from ode_lm.training.optim import OptimizerConfig
+    from ode_lm.training.trainer import Trainer, TrainConfig
+
+    model_dir, num_train_steps = sys.argv[1], int(sys.argv[2])
+    B, T, V = 8, 16, 64
+
+    def global_batch(step):
+        # the same global batch whatever the process layout: every process builds it whole
+        # and hands each of its devices that device's rows
+        tokens = np.random.default_rng(step).integers(0, V, (B, T + 1), dtype=np.int32)
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                "segment_ids": np.ones((B, T), np.int32),
+                "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+                "loss_mask": np.ones((B, T), np.float32)}
+
+    def to_global(batch, sharding):
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
+                for k, v in batch.items()}
+
+    def train_data(data_config, mesh, rules, start_step):
+        sharding = batch_sharding(mesh, rules)
+        def batches():
+            step = start_step
+            while True:
+                yield to_global(global_batch(step), sharding)
+                step += 1
+        return None, batches()
+
+    def eval_data(data_config, mesh, rules):
+        return [to_global(global_batch(10_000), batch_sharding(mesh, rules))]
+
+    trainer = Trainer(
+        model_config=ModelConfig(vocab_size=V, d_model=32, num_heads=2, num_steps=2,
+                                 time_embed_dim=4, sinusoidal_dim=4, max_seq_len=T),
+        data_config=DataConfig(seq_len=T, global_batch_size=B),
+        # a model this small is mostly (replicated) time-MLP weights: no FSDP-balance check
+        train_config=TrainConfig(model_dir=model_dir, num_train_steps=num_train_steps,
+                                 log_every=1, sharding_tolerance=10.0),
+        # eps well above the gradients' rounding noise: Adam divides tiny gradients by
+        # their own magnitude, which turns reduction-order noise (1e-9) into full-size
+        # updates and makes two correct runs drift apart by 1e-4 within a few steps
+        optimizer_config=OptimizerConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-3),
+        checkpoint_config=CheckpointConfig(save_every=5, async_save=False),
+        train_data=train_data, eval_data=eval_data)
+    result = trainer.run()
+    print("RESULT", json.dumps({"index": info.process_index, "count": info.process_count,
+                                "devices": info.device_count, "step": result.step,
+                                "eval": result.eval}))
+    distributed.shutdown()
+""")
+
+
+def train_losses(model_dir) -> dict[int, float]:
+    rows = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {}
+    for r in rows:
+        if "train/loss" in r:
+            assert r["step"] not in losses, f"step {r['step']} logged twice (two writers?)"
+            losses[r["step"]] = r["train/loss"]
+    return losses
+
+
+@pytest.mark.slow
+def test_two_hosts_match_one_host_then_one_host_resumes(tmp_path):
+    """2 processes x 4 CPU devices train 5 steps with the losses of 1 process x 8 devices;
+    their checkpoint is restored by 1 process, which continues on the same loss curve."""
+    script = tmp_path / "train_worker.py"
+    script.write_text(TRAIN_SCRIPT)
+    ref_dir, multi_dir = tmp_path / "one_host", tmp_path / "two_hosts"
+    argv = [sys.executable, str(script)]
+    # the reference (1 x 8, 8 steps) runs alongside the 2-host job (2 x 4, 5 steps)
+    ref_env = dict(os.environ, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    for var in (distributed.ENV_ADDRESS, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID):
+        ref_env.pop(var, None)
+    ref = subprocess.Popen([*argv, str(ref_dir), "8"], env=ref_env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        multi = spawn([*argv, str(multi_dir), "5"], 2, 4, free_port(), cwd=str(tmp_path),
+                      timeout=900)
+        ref_out, ref_err = ref.communicate(timeout=900)
+    finally:
+        if ref.poll() is None:
+            ref.kill()
+    assert ref.returncode == 0, ref_err[-3000:]
+    for i, r in enumerate(multi):
+        assert r.returncode == 0, r.stderr[-3000:]
+        res = result_line(r.stdout)
+        assert (res["index"], res["count"], res["devices"], res["step"]) == (i, 2, 8, 5)
+    # only process 0 logs
+    assert "step 5/5" in multi[0].stdout and "step 5/5" not in multi[1].stdout
+
+    ref_losses, multi_losses = train_losses(ref_dir), train_losses(multi_dir)
+    assert sorted(multi_losses) == [1, 2, 3, 4, 5]
+    for s in range(1, 6):
+        assert abs(multi_losses[s] - ref_losses[s]) < 1e-5, (s, multi_losses[s], ref_losses[s])
+    assert (multi_dir / "checkpoints").is_dir()
+
+    # 1 process x 8 devices restores the 2-host checkpoint and continues to step 8
+    resumed = subprocess.run([*argv, str(multi_dir), "8"], env=ref_env, text=True,
+                             capture_output=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 5" in resumed.stdout
+    assert result_line(resumed.stdout)["step"] == 8
+    losses = train_losses(multi_dir)
+    assert sorted(losses) == list(range(1, 9))
+    for s in range(6, 9):
+        assert abs(losses[s] - ref_losses[s]) < 1e-5, (s, losses[s], ref_losses[s])
+    assert abs(result_line(resumed.stdout)["eval"]["eval/loss"]
+               - result_line(ref_out)["eval"]["eval/loss"]) < 1e-5
