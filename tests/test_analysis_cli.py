@@ -133,3 +133,33 @@ def test_cli_text_through_the_tokenizer(runs, tmp_path, capsys):
     assert main(argv) == 0
     page = (tmp_path / "lyapunov.html").read_text()
     assert ">a</span>" in page and ">&lt;</span>" in page  # token text, HTML-escaped
+
+
+@pytest.mark.slow
+def test_cli_end_to_end_on_a_demo_checkpoint(tmp_path, capsys):
+    """The demo config (model, data, tokenizer) trained for 2 steps, then every command."""
+    from ode_lm.train import main as train_main
+
+    run = tmp_path / "demo"
+    assert train_main([f"--gin_file={REPO / 'configs' / 'runs' / 'demo.gin'}",
+                       "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{run}'",
+                       "--gin.TrainConfig.eval_every=0", "--gin.TrainConfig.eval_num_steps=(2,)",
+                       "--gin.DataConfig.eval_max_batches=1",
+                       "--gin.CheckpointConfig.save_every=1",
+                       "--gin.MeshConfig.ici_parallelism=(-1, 1, 1)"]) == 0
+    capsys.readouterr()
+    main = _analyze()
+    out = tmp_path / "analysis"
+    text = "def parse(self, text):\n    return text.split()"
+    common = [f"--model_dir={run}", f"--out={out}"]
+    assert main(["lyapunov", *common, f"--text={text}"]) == 0  # tokenizer from the manifest
+    printed = capsys.readouterr().out
+    assert "step 2" in printed and "top-5 sensitive tokens" in printed
+    assert main(["spectral", *common, "--num_times=11"]) == 0
+    assert "t=0.5: QK max|λ|=" in capsys.readouterr().out
+    assert main(["trajectory", *common, f"--text={text}"]) == 0
+    for name in ("lyapunov_heatmap", "spectra_magnitude", "spectra_ov_positive_real",
+                 "trajectory"):
+        _assert_png(out / f"{name}.png")
+    page = (out / "lyapunov.html").read_text()
+    assert "parse" in page and page.count('class="tok"') > 5

@@ -164,3 +164,24 @@ def test_num_exponents_subset_is_the_leading_part():
 def test_bad_arguments_raise_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match.replace("[", r"\[")):
         lyapunov_exponents(_linear_field(np.eye(3)), jnp.ones((4, 3)), **kwargs)
+
+
+def test_split_into_mixing_and_local_parts_gives_the_same_exponents():
+    rng = np.random.default_rng(6)
+    d, n = 5, 4
+    w, v = rng.normal(size=(d, d)), rng.normal(size=(d, d))
+    b, c = rng.normal(size=d), 0.7
+    field = _tanh_mixing_field(w, b, v, c)
+    w32, b32, v32 = (jnp.asarray(z, jnp.float32) for z in (w, b, v))
+
+    def mixing(x, t):
+        return c * jnp.cumsum(jnp.tanh(x @ v32.T), axis=0) / jnp.arange(1, n + 1)[:, None]
+
+    def local(y, t):  # one token [d]
+        return jnp.tanh(w32 @ y + b32)
+
+    x0 = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
+    whole = lyapunov_exponents(field, x0, position=2, num_steps=3, solver="midpoint")
+    split = lyapunov_exponents(field, x0, position=2, num_steps=3, solver="midpoint",
+                               split=(mixing, local))
+    np.testing.assert_allclose(split.exponents, whole.exponents, atol=1e-5)

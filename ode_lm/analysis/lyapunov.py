@@ -52,12 +52,14 @@ def jacobian_row(field: VectorField, x: jax.Array, t, position: int,
     return jnp.swapaxes(rows, 0, 1)
 
 
-def _solver_step(field: Callable, solver: str, position: int, chunk_size: int | None):
+def _solver_step(field: Callable, solver: str, position: int, chunk_size: int | None,
+                 split: tuple[Callable, Callable] | None = None):
     """A jitted step: (x_k, t_k, dt, args) -> (x_{k+1}, stage Jacobian rows ``[S, T, d, d]``).
 
     The stage times and states are those of the model's solvers: Euler evaluates the field at
     the step's *end* time t_k + dt (the paper's convention); midpoint and RK4 are the classic
-    tableaus.
+    tableaus. With ``split = (mixing, local)`` the Jacobian row is that of the mixing part
+    plus the single-token Jacobian of the local part, added to the block of ``position``.
     """
 
     def step(x, t, dt, args):
@@ -65,7 +67,12 @@ def _solver_step(field: Callable, solver: str, position: int, chunk_size: int | 
             return field(y, s, *args)
 
         def jac(y, s):
-            return jacobian_row(f, y, s, position, chunk_size)
+            if split is None:
+                return jacobian_row(f, y, s, position, chunk_size)
+            mixing, local = split
+            rows = jacobian_row(lambda z, r: mixing(z, r, *args), y, s, position, chunk_size)
+            own = jax.jacfwd(lambda v: local(v, s, *args))(y[position])
+            return rows.at[position].add(own)
 
         if solver == "euler":
             t1 = t + dt
@@ -171,13 +178,20 @@ def lyapunov_exponents(
     t1: float = 1.0,
     chunk_size: int | None = 64,
     field_args: tuple = (),
+    split: tuple[Callable, Callable] | None = None,
 ) -> LyapunovResult:
     """Benettin QR Lyapunov spectra of output ``position`` w.r.t. every input token.
 
     ``field(x, t)`` maps ``[T, d]`` to ``[T, d]`` (one sequence, no batch axis); ``x0`` is the
     initial state (the token embeddings). ``field_args`` (e.g. model parameters) are passed
     as ``field(x, t, *field_args)`` and traced as jit arguments rather than baked-in
-    constants. ``chunk_size`` bounds how many VJPs run at once. Integrates x and the
+    constants. ``chunk_size`` bounds how many VJPs run at once.
+
+    ``split = (mixing, local)`` optionally declares field(x, t) = mixing(x, t) + local(x_i, t)
+    row by row, with ``local`` acting on one token ``[d]`` (the MLP branch of a parallel
+    block). The Jacobians then skip the backward pass of the per-token work at every other
+    position: the VJPs only traverse the mixing part (for cpu_small ~3.5x fewer FLOPs). The
+    trajectory always uses ``field``. Integrates x and the
     per-token tangent maps on a uniform grid of ``num_steps`` steps over [t0, t1] and
     returns exponents ``[T, k]`` with k = ``num_exponents`` (default d).
     """
@@ -198,7 +212,7 @@ def lyapunov_exponents(
     if not 1 <= k <= d:
         raise ValueError(f"--num_exponents={num_exponents}: must be in [1, {d}]")
 
-    step = _solver_step(field, solver, position, chunk_size)
+    step = _solver_step(field, solver, position, chunk_size, split)
     dt = (t1 - t0) / num_steps
     q = np.broadcast_to(np.eye(d, k), (num_tokens, d, k)).copy()
     logs = np.zeros((num_tokens, k))

@@ -22,9 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ode_lm.models.common import attention_mask
+from ode_lm.models.common import apply_norm, attention_mask, compute_dtype
 from ode_lm.models.config import ModelConfig
-from ode_lm.models.vector_field import parallel_residual, sequential_residual
+from ode_lm.models.vector_field import (
+    attention_branch,
+    mlp_branch,
+    parallel_residual,
+    sequential_residual,
+)
 
 
 def is_ode(model) -> bool:
@@ -84,6 +89,33 @@ def ode_field(model) -> tuple[Callable, tuple]:
         return m.vector_field(x[None], t, positions[None])[0]
 
     return field, (state,)
+
+
+def ode_split(model) -> tuple[Callable, Callable]:
+    """f = Attn(Norm1(x)) + MLP(Norm2(x)) split into its token-mixing and per-token parts.
+
+    Same signature as ``ode_field``; ``local`` takes one token's state ``[E]``. Used by the
+    Lyapunov Jacobians so the MLP backward runs for the output token only (lyapunov.py).
+    """
+    graphdef, _ = nnx.split(model)
+    cfg = model.config
+    cdt = compute_dtype(cfg)
+
+    def norm(w, name, x):
+        return apply_norm(cfg, x, w[f"{name}_scale"], w.get(f"{name}_bias")).astype(cdt)
+
+    def mixing(x, t, state, positions):
+        w = nnx.merge(graphdef, state).weights_at(t)
+        mask = attention_mask(jnp.ones((1, x.shape[0]), jnp.int32))
+        h = norm(w, "norm1", x[None])
+        return attention_branch(cfg, w, h, positions[None], mask)[0].astype(jnp.float32)
+
+    def local(v, t, state, positions):
+        del positions
+        w = nnx.merge(graphdef, state).weights_at(t)
+        return mlp_branch(cfg, w, norm(w, "norm2", v[None, None]))[0, 0].astype(jnp.float32)
+
+    return mixing, local
 
 
 def num_layers(model) -> int:
@@ -199,6 +231,7 @@ def model_lyapunov(model, tokens: np.ndarray, *, position: int = -1, num_steps: 
     positions = jnp.arange(len(tokens), dtype=jnp.int32)
     if is_ode(model):
         field, args = ode_field(model)
+        split = ode_split(model)
         num_steps = cfg.num_steps if num_steps is None else int(num_steps)
         solver = cfg.solver if solver is None else solver
     else:
@@ -207,9 +240,11 @@ def model_lyapunov(model, tokens: np.ndarray, *, position: int = -1, num_steps: 
             raise ValueError(f"--num_steps={num_steps} / --solver={solver}: a discrete "
                              f"{cfg.architecture} model has exactly {layers} layers (Euler)")
         field, args = discrete_field(model)
+        split = None
         num_steps, solver = layers, "euler"
     res = lyapunov_exponents(field, embed(model, tokens), position=position,
                              num_steps=num_steps, solver=solver, num_exponents=num_exponents,
-                             chunk_size=chunk_size, field_args=(*args, positions))
+                             chunk_size=chunk_size, field_args=(*args, positions),
+                             split=split)
     res.tokens = tokens
     return res

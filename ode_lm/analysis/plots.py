@@ -44,7 +44,7 @@ def _save(fig, path) -> pathlib.Path:
 
 
 def plot_magnitude_bands(specs: Sequence[Spectra], path) -> pathlib.Path:
-    """|λ| distribution against depth: median line with 25–75 % and 5–95 % quantile bands."""
+    """|λ| distribution against depth: median, 25–75 % and 5–95 % quantile bands, dashed max."""
     xs, xlabel = _depth_axis(specs)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for ax, name in zip(axes, KINDS, strict=False):
@@ -59,7 +59,8 @@ def plot_magnitude_bands(specs: Sequence[Spectra], path) -> pathlib.Path:
                     label=f"{_label(spec, i)} max")
         ax.set_title(f"|λ| of {TITLES[name]}")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("|λ|  (bands: 5–95 %, 25–75 %)")
+        ax.set_yscale("log")  # magnitudes span orders of magnitude; the max would flatten bands
+        ax.set_ylabel("|λ|  (log; bands: 5–95 %, 25–75 %)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return _save(fig, path)
