@@ -97,13 +97,15 @@ def build_state_spec(
     abs_params = _with_sharding(abs_params, param_shardings)
     replicated = NamedSharding(mesh, P())
     abs_opt = jax.eval_shape(tx.init, abs_params)
+    # Frozen parameters (``trainable``) appear as MaskedNode in multi_transform's state.
+    masked = optax.transforms._masking.MaskedNode
     opt_shardings = optax.tree_map_params(
         tx,
-        lambda _, s: s,
+        lambda p, s: p if isinstance(p, masked) else s,
         abs_opt,
         param_shardings,
         transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
+        is_leaf=lambda x: isinstance(x, (NamedSharding, masked)),
     )
     scalar_i32 = jax.ShapeDtypeStruct((), jnp.int32)
     abstract = {
