@@ -50,13 +50,13 @@ def stage_weights(model: nnx.Module, num_steps: int, solver: str):
     if isinstance(model, DiffEqFormer):
         times = solvers.evaluation_times(num_steps, solver)
         return jax.vmap(jax.vmap(model.weights_at))(times), 1.0 / num_steps, solver
-    layer_weights = getattr(model, "layer_weights", None)
-    if layer_weights is None or model.config.architecture != "parallel":
+    blocks = getattr(model, "blocks", None)
+    if blocks is None or model.config.architecture != "parallel":
         raise TypeError(
             f"generation: {type(model).__name__} ({model.config.architecture}) is not supported; "
             "use a DiffEqFormer or a materialised parallel-block model"
         )
-    return jax.tree.map(lambda a: a[:, None], layer_weights()), 1.0, "euler"
+    return jax.tree.map(lambda a: a[:, None], blocks.stacked()), 1.0, "euler"
 
 
 def init_cache(config: ModelConfig, num_steps: int, stages: int, batch: int, max_len: int):

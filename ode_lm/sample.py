@@ -1,0 +1,97 @@
+"""``python -m ode_lm.sample --model_dir=RUN --prompt="..." [--num_steps=M] ...``.
+
+Text generation from a training or fine-tuning run (LoRA merged), with a KV cache per ODE
+solver evaluation (see ode_lm/generation.py). Several ``--prompt`` flags form one batch.
+Prints the continuations and the decoding speed (tokens/s of a second, already compiled run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ode_lm.sample", description=__doc__.split("\n")[2])
+    p.add_argument("--model_dir", required=True)
+    p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
+    p.add_argument("--num_steps", type=int, default=None, help="ODE solver steps M")
+    p.add_argument("--solver", default=None, help="euler | midpoint | rk4")
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--data_dir", default=None, help="prepared data dir holding the tokenizer")
+    p.add_argument("--no_timing", action="store_true", help="skip the timed second run")
+    return p.parse_args(argv)
+
+
+def load_tokenizer(model_dir: str, data_dir: str | None):
+    from ode_lm.data import load_manifest
+    from ode_lm.data.tokenizers import get_tokenizer
+    from ode_lm.export.source import run_data_dir
+
+    data_dir = data_dir or run_data_dir(model_dir)
+    if not data_dir or not os.path.exists(os.path.join(data_dir, "manifest.json")):
+        raise FileNotFoundError(f"no prepared data (manifest.json) for {model_dir}; "
+                                "pass --data_dir=DIR to name the tokenizer's data")
+    manifest = load_manifest(data_dir)
+    return get_tokenizer(manifest["tokenizer"]["spec"], data_dir)
+
+
+def run(args: argparse.Namespace) -> list[str]:
+    from ode_lm.export.source import load_run_model
+    from ode_lm.generation import check_num_steps, generate
+
+    check_num_steps(args.num_steps)
+    model, config, step = load_run_model(args.model_dir, args.step)
+    tok = load_tokenizer(args.model_dir, args.data_dir)
+    prompts = [[int(i) for i in tok.encode(p)] or [tok.eos_id] for p in args.prompt]
+    kw = dict(max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, solver=args.solver,
+              temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+              vocab_limit=tok.vocab_size)
+    t0 = time.perf_counter()
+    out = generate(model, prompts, **kw)
+    first = time.perf_counter() - t0
+    texts = []
+    for prompt, ids in zip(args.prompt, out, strict=True):
+        ids = list(ids)
+        if tok.eos_id in ids:
+            ids = ids[: ids.index(tok.eos_id)]
+        texts.append(prompt + tok.decode(ids))
+    for text in texts:
+        print(text)
+        print("-" * 40)
+    n = out.size
+    steps = args.num_steps or config.num_steps
+    line = f"step {step} | M={steps} | {len(prompts)} prompts x {args.max_new_tokens} tokens | " \
+           f"first call (compile + run) {first:.2f}s"
+    if not args.no_timing:
+        t0 = time.perf_counter()
+        generate(model, prompts, **kw)
+        dt = time.perf_counter() - t0
+        line += f" | {n / dt:,.1f} tokens/s ({dt:.3f}s, compiled)"
+    print(line)
+    return texts
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(args)
+    except (ValueError, TypeError, OSError) as e:
+        if os.environ.get("ODE_LM_DEBUG"):
+            raise
+        print(f"ode-lm-sample: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""Adaptive-depth fine-tuning through the CLI: modes, methods, resume, export, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from export_helpers import make_run, tiny_config
+
+from ode_lm import finetune as ft
+from ode_lm.data import DataConfig, ensure_prepared
+
+TEXT = ("The solver integrates the vector field over depth. " * 3 +
+        "Each step evaluates attention and the MLP with weights generated at time t. ")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("corpus")
+    path = root / "docs.jsonl"
+    with open(path, "w") as f:
+        for i in range(60):
+            f.write(json.dumps({"text": f"document {i}. " + TEXT[i % 40:] + TEXT[: i % 17]})
+                    + "\n")
+    return str(path)
+
+
+def _data(corpus: str, data_dir: str, tokenizer: str = "bytes") -> DataConfig:
+    return DataConfig(source=corpus, tokenizer=tokenizer, data_dir=data_dir, seq_len=16,
+                      global_batch_size=8, holdout_fraction=0.2, eval_max_batches=2)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, corpus) -> str:
+    root = tmp_path_factory.mktemp("pre")
+    data = _data(corpus, str(root / "data"))
+    ensure_prepared(data)
+    run = str(root / "run")
+    make_run(run, tiny_config("gpt2", vocab_size=384, num_steps=3))
+    with open(os.path.join(run, "config.gin"), "w") as f:  # what the trainer leaves behind
+        f.write(f"DATA_DIR = '{data.data_dir}'\nDataConfig.data_dir = %DATA_DIR\n")
+    return run
+
+
+def _gin(tmp_path, pretrained, corpus, model_dir, **over) -> str:
+    v = dict(M=2, METHOD="lora", MODE="materialised", TRAIN_STEPS=3,
+             DATA_DIR=os.path.join(os.path.dirname(pretrained), "data"), TOKENIZER="bytes",
+             TARGETS="('qkv', 'mlp_*')")
+    v.update(over)
+    text = f"""
+finetune.model_dir = '{model_dir}'
+finetune.num_train_steps = {v['TRAIN_STEPS']}
+finetune.data = @DataConfig()
+FinetuneConfig.pretrained_dir = '{pretrained}'
+FinetuneConfig.num_steps = {v['M']}
+FinetuneConfig.method = '{v['METHOD']}'
+FinetuneConfig.mode = '{v['MODE']}'
+FinetuneConfig.lora_rank = 2
+FinetuneConfig.lora_alpha = 4.0
+FinetuneConfig.lora_targets = {v['TARGETS']}
+DataConfig.source = '{corpus}'
+DataConfig.tokenizer = '{v['TOKENIZER']}'
+DataConfig.data_dir = '{v['DATA_DIR']}'
+DataConfig.seq_len = 16
+DataConfig.global_batch_size = 8
+DataConfig.holdout_fraction = 0.2
+DataConfig.eval_max_batches = 2
+TrainConfig.log_every = 1
+OptimizerConfig.learning_rate = 1e-2
+OptimizerConfig.warmup_steps = 0
+CheckpointConfig.save_every = 1
+CheckpointConfig.async_save = False
+MeshConfig.ici_parallelism = (-1, 1, 1)
+"""
+    path = tmp_path / f"ft_{len(os.listdir(tmp_path))}.gin"
+    path.write_text(text)
+    return str(path)
+
+
+def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corpus, capsys):
+    from ode_lm.export import export
+    from ode_lm.training import checkpoint as ckpt_lib
+
+    out = str(tmp_path / "lora2")
+    assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out)}"]) == 0
+    log = capsys.readouterr().out
+    assert "trainable of" in log and "%)" in log and "eval/perplexity" in log
+    info = json.load(open(os.path.join(out, "finetune.json")))
+    assert info["method"] == "lora" and info["mode"] == "materialised" and info["num_steps"] == 2
+    config = ckpt_lib.load_model_config(out)
+    assert config.architecture == "parallel" and config.num_layers == 2
+    # resume: same command with more steps continues from the saved step
+    assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out, TRAIN_STEPS=4)}"]) == 0
+    assert "resumed from step 3" in capsys.readouterr().out
+    # frozen base + trained LoRA factors, merged for export
+    from ode_lm.export.source import load_run_model
+    from ode_lm.models.materialize import materialize
+    from ode_lm.training.trainer import restore_model
+
+    merged, _, step = load_run_model(out)
+    assert step == 4 and type(merged).__name__ == "ParallelLM"
+    base = materialize(restore_model(pretrained)[0], 2)
+    w_new = np.asarray(merged.blocks.weights["qkv_kernel"][...])
+    w_old = np.asarray(base.blocks.weights["qkv_kernel"][...])
+    assert np.abs(w_new - w_old).max() > 0  # the LoRA update is merged in
+    np.testing.assert_array_equal(np.asarray(merged.blocks.weights["out_kernel"][...]),
+                                  np.asarray(base.blocks.weights["out_kernel"][...]))  # no LoRA
+    res = export(out, "raw", str(tmp_path / "raw"), verify_logits=True)
+    assert res.max_abs_diff == 0.0
+
+
+def test_full_continuous_finetune_at_new_depth(tmp_path, pretrained, corpus, capsys):
+    from ode_lm.training import checkpoint as ckpt_lib
+
+    out = str(tmp_path / "full4")
+    gin = _gin(tmp_path, pretrained, corpus, out, M=4, METHOD="full", MODE="continuous",
+               TRAIN_STEPS=2)
+    assert ft.main([f"--gin_file={gin}"]) == 0
+    assert "(100.00%)" in capsys.readouterr().out
+    config = ckpt_lib.load_model_config(out)
+    assert config.architecture == "ode" and config.num_steps == 4
+
+
+def test_bad_inputs(tmp_path, pretrained, corpus, capsys):
+    def err(**over):
+        out = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
+        assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out, **over)}"]) == 1
+        text = capsys.readouterr().err.strip()
+        assert "\n" not in text
+        return text
+
+    assert "FINETUNE_STEPS=0: must be a positive" in err(M=0)
+    assert "FINETUNE_STEPS=-1" in err(M=-1)
+    assert "METHOD='qlora'" in err(METHOD="qlora")
+    assert "LoRA target(s) ['attention'] match no linear layer" in err(TARGETS="('attention',)")
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    from ode_lm.training.checkpoint import save_model_config
+
+    save_model_config(str(empty), tiny_config("gpt2", vocab_size=384))
+    gin = _gin(tmp_path, str(empty), corpus, str(tmp_path / "x"))
+    assert ft.main([f"--gin_file={gin}"]) == 1
+    assert "no checkpoint under" in capsys.readouterr().err
+    other = str(tmp_path / "bpe_data")
+    msg = err(DATA_DIR=other, TOKENIZER="bpe:300")
+    assert "tokenizer mismatch" in msg and "'bytes'" in msg and "'bpe:300'" in msg
