@@ -1,0 +1,6 @@
+"""Looking inside a trained model: trajectories, eigen-spectra, token Lyapunov exponents.
+
+Generic math (no model import): ``spectra``, ``lyapunov``; the model's view:
+``model_access``, ``trajectory``; outputs: ``plots``, ``report_html``; ``commands`` backs
+``tools/analyze.py``; ``bench`` measures the README speed figures.
+"""
