@@ -81,19 +81,22 @@ def get_config(name: str) -> BenchConfig:
 # ------------------------------------------------------------------------ peak FLOP/s
 
 
-def matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 10) -> float:
-    """Best-of-``repeats`` FLOP/s of one jitted ``jnp.dot`` of two [n, n] matrices."""
+def matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 10) -> tuple[float, float]:
+    """Best-of-``repeats`` rate of one jitted ``jnp.dot`` of two [n, n] matrices:
+    (FLOP per wall second, FLOP per process-CPU second). The second is what a shared host
+    cannot distort by time-slicing: other processes' load does not add to our CPU time."""
     dt = jnp.dtype(dtype)
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
     dot = jax.jit(jnp.dot)
     dot(a, b).block_until_ready()
-    best = math.inf
+    best, best_cpu = math.inf, math.inf
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         dot(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+        best_cpu = min(best_cpu, time.process_time() - c)
+    return 2.0 * n**3 / best, 2.0 * n**3 / max(best_cpu, 1e-9)
 
 
 def accelerator_peak(devices: Sequence[jax.Device], dtype: str) -> tuple[float, str]:
@@ -148,13 +151,13 @@ def model_flops_per_step(spec: state_lib.StateSpec, schedule, step_config, batch
     return dot_flops(closed.jaxpr)
 
 
-def accounting_flops_per_token(config: ModelConfig) -> float | None:
-    """``ode_lm.models.accounting.flops_per_token`` when the models team provides it."""
-    try:
-        from ode_lm.models.accounting import flops_per_token
-    except ImportError:
-        return None
-    return float(flops_per_token(config, config.num_steps))
+def accounting_flops_per_step(config: ModelConfig, bench: BenchConfig) -> float:
+    """Model FLOPs of one train step by ``ode_lm.models.accounting`` (the trainer's MFU
+    convention: matmuls only, causal attention halved, no remat recomputation)."""
+    from ode_lm.models.accounting import flops_per_token
+
+    fpt = flops_per_token(config, seq_len=bench.seq_len, tokens_per_batch=bench.tokens_per_step)
+    return float(fpt.training) * bench.tokens_per_step
 
 
 # ------------------------------------------------------------------------ memory
@@ -241,16 +244,17 @@ class TrainBench:
             self.batch = {k: jax.device_put(v, sharding)
                           for k, v in synthetic_batch(bench, seed).items()}
         self.mesh = mesh
-        self.flops = math.nan
+        self.flops = accounting_flops_per_step(model_config, bench)
+        self.traced_flops = math.nan
         if count_flops:
-            # Model FLOPs: the same step without remat, so recomputation is not counted.
+            # Matmul FLOPs as traced (full attention matrices), without remat recomputation.
             if model_config.remat != "none":
                 flops_spec = state_lib.build_state_spec(
                     lambda rngs: build_model(model_config.replace(remat="none"), rngs), tx,
                     mesh, self.rules)
             else:
                 flops_spec = self.spec
-            self.flops = model_flops_per_step(flops_spec, self.schedule, step_config,
+            self.traced_flops = model_flops_per_step(flops_spec, self.schedule, step_config,
                                               abstract_batch)
         self.params = param_count(self.spec)
         self.peak_bytes = compiled_peak_bytes(self.compiled)
@@ -276,23 +280,23 @@ class TrainBench:
         """The same compiled step with its own fresh state (and checkpoint policy)."""
         other = copy.copy(self)
         other.label = label
-        with jax.set_mesh(self.mesh):
-            other.state = state_lib.init_state(self.spec, self.seed)
+        # A copy (not a re-init, which would compile the init again) in fresh buffers.
+        other.state = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), self.state)
         other._init_run_state(checkpoint_every, checkpoint_root)
         return other
 
-    def step(self) -> float:
-        """Run one train step to completion (plus the save call); returns seconds."""
+    def step(self) -> tuple[float, float]:
+        """Run one train step to completion (plus the save call): (wall s, process CPU s)."""
         with jax.set_mesh(self.mesh):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.state, metrics = self.compiled(self.state, self.batch)
             jax.block_until_ready((self.state, metrics))
             self.steps_done += 1
             if self.checkpointer is not None:
                 self.saves += int(self.checkpointer.save(self.steps_done, self.state))
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
         self.last_loss = float(metrics["loss"])
-        return dt
+        return dt, dc
 
     def close(self) -> float:
         """Finish pending saves (returns the seconds it waited) and delete the checkpoints."""
@@ -305,13 +309,17 @@ class TrainBench:
             self.checkpointer = None
         return waited
 
-    def summary(self, times: Sequence[float], matmul_peak_flops: float,
+    def summary(self, times: Sequence[tuple[float, float]], peak: tuple[float, float],
                 accel_peak_flops: float, use_mean: bool = False) -> dict[str, Any]:
-        """Figures from ``times`` (seconds per step): the median, or the mean where periodic
-        costs (a save every k steps) must count."""
-        med = statistics.median(times) if times else math.nan
-        mean = statistics.fmean(times) if times else math.nan
+        """Figures from ``times`` ((wall s, CPU s) per step): the median, or the mean where
+        periodic costs (a save every k steps) must count. ``peak``: ``matmul_peak(...)``."""
+        walls = [w for w, _ in times]
+        cpus = [c for _, c in times]
+        stat = statistics.fmean if use_mean else statistics.median
+        med = statistics.median(walls) if walls else math.nan
+        mean = statistics.fmean(walls) if walls else math.nan
         step_s = mean if use_mean else med
+        cpu_s = stat(cpus) if cpus else math.nan
         tok_s = self.bench.tokens_per_step / step_s
         achieved = self.flops / step_s
         return {
@@ -327,8 +335,12 @@ class TrainBench:
             "steps_timed": len(times),
             "tokens_per_s": tok_s,
             "flops_per_step": self.flops,
+            "flops_source": "ode_lm.models.accounting.flops_per_token(...).training x tokens",
+            "traced_matmul_flops_per_step": self.traced_flops,
             "achieved_flops": achieved,
-            "mfu_vs_matmul_peak": achieved / matmul_peak_flops,
+            "cpu_s": cpu_s,
+            "mfu_vs_matmul_peak": achieved / peak[0],
+            "mfu_cpu_time": self.flops / cpu_s / peak[1],
             "mfu_vs_accelerator_peak": achieved / accel_peak_flops,
             "compiled_peak_bytes": self.peak_bytes,
             "last_loss": self.last_loss,
@@ -336,13 +348,13 @@ class TrainBench:
 
 
 def time_round_robin(benches: Sequence[TrainBench], steps: int,
-                     warmup: int = 2) -> list[list[float]]:
+                     warmup: int = 2) -> list[list[tuple[float, float]]]:
     """``warmup`` untimed steps each, then ``steps`` timed steps each, interleaved:
-    seconds per timed step, one list per bench (in order)."""
+    (wall s, CPU s) per timed step, one list per bench (in order)."""
     for b in benches:
         for _ in range(warmup):
             b.step()
-    times: list[list[float]] = [[] for _ in benches]
+    times: list[list[tuple[float, float]]] = [[] for _ in benches]
     for _ in range(steps):
         for b, t in zip(benches, times, strict=True):
             t.append(b.step())
