@@ -19,6 +19,9 @@ USAGE = (
 
 def one_line(e: BaseException) -> str:
     """Exception text collapsed to one line (gin appends its file location on new lines)."""
+    if isinstance(e, SyntaxError) and e.filename:
+        text = (e.text or "").strip()
+        return f"{e.msg} ({e.filename}, line {e.lineno}: {text!r})"
     text = " ".join(part.strip() for part in str(e).splitlines() if part.strip())
     return text or type(e).__name__
 

@@ -1,0 +1,114 @@
+"""Checkpoints: topology change 8 -> 4 -> 1 devices, half-written saves ignored, shape
+mismatch errors, params-only restore (``restore_model``) from a run saved on 8 devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from ode_lm.data import DataConfig
+from ode_lm.models.config import ModelConfig
+from ode_lm.training import checkpoint as ckpt_lib
+from ode_lm.training.optim import OptimizerConfig
+from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer, restore_model
+
+MODEL = ModelConfig(vocab_size=384, d_model=32, num_heads=2, num_steps=2, max_seq_len=32,
+                    time_embed_dim=4, sinusoidal_dim=4)
+
+
+@pytest.fixture(scope="module")
+def data_config(tmp_path_factory) -> DataConfig:
+    root = tmp_path_factory.mktemp("ckpt_data")
+    return DataConfig(source="builtin", tokenizer="bytes", data_dir=str(root / "data"),
+                      holdout_fraction=0.05, seq_len=32, global_batch_size=8,
+                      eval_max_batches=1)
+
+
+def make_trainer(model_dir, data_config, steps: int, ici, num_devices: int, **kw) -> Trainer:
+    return Trainer(
+        model_config=kw.pop("model_config", MODEL),
+        data_config=data_config,
+        # The micro model's replicated norms are a large share of it: relax the 5% check.
+        train_config=TrainConfig(model_dir=str(model_dir), num_train_steps=steps, log_every=1,
+                                 sharding_tolerance=10.0),
+        optimizer_config=OptimizerConfig(learning_rate=3e-3, warmup_steps=1),
+        checkpoint_config=ckpt_lib.CheckpointConfig(save_every=1, max_to_keep=2),
+        mesh_config=MeshConfig(ici_parallelism=ici),
+        devices=jax.devices()[:num_devices],
+        print_fn=lambda _: None,
+        **kw,
+    )
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+@pytest.fixture(scope="module")
+def run8(tmp_path_factory, data_config):
+    """3 steps on a (2, 2, 2) mesh of 8 devices."""
+    model_dir = tmp_path_factory.mktemp("topology") / "run"
+    trainer = make_trainer(model_dir, data_config, 6, (2, 2, 2), 8)
+    trainer.cfg = dataclasses.replace(trainer.cfg, num_train_steps=3)  # stop early, schedule of 6
+    result = trainer.run()
+    assert result.step == 3
+    return model_dir, host(trainer.state)
+
+
+def test_topology_change_8_to_4_to_1(run8, data_config):
+    model_dir, saved = run8
+    t4 = make_trainer(model_dir, data_config, 6, (1, -1, 2), 4)
+    restored = t4.checkpointer.restore(3, t4.spec.abstract_state)
+    assert ckpt_lib.tree_equal(host(restored), saved)
+    assert all(len(x.sharding.device_set) == 4 for x in jax.tree.leaves(restored["params"]))
+    result = t4.run()
+    assert result.step == 6 and t4.checkpointer.all_steps()[-1] == 6
+    t1 = make_trainer(model_dir, data_config, 8, (1, 1, 1), 1)
+    result = t1.run()
+    assert result.step == 8 and np.isfinite(result.eval["eval/loss"])
+    steps = [json.loads(r)["step"] for r in (model_dir / "metrics.jsonl").read_text().splitlines()
+             if "train/loss" in r]
+    assert steps == list(range(1, 9))
+
+
+def test_restore_model_on_one_cpu_from_8_device_run(run8):
+    model_dir, saved = run8
+    model, config, step = restore_model(str(model_dir), step=3)
+    assert config == MODEL and step == 3
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    assert ckpt_lib.tree_equal(host(params), saved["params"])
+    tokens = np.zeros((1, 8), np.int32)
+    assert model(tokens).shape == (1, 8, MODEL.vocab_size)
+    with pytest.raises(FileNotFoundError, match="checkpoint step 99"):
+        restore_model(str(model_dir), step=99)
+
+
+def test_half_written_save_is_ignored(run8, tmp_path, data_config):
+    model_dir = tmp_path / "copy"
+    shutil.copytree(run8[0], model_dir)
+    ckpt_dir = model_dir / "checkpoints"
+    latest = max(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit())
+    partial = ckpt_dir / f"{latest + 1}.orbax-checkpoint-tmp-1234567"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "garbage").write_bytes(b"\x00" * 10)
+    checkpointer = ckpt_lib.Checkpointer(str(model_dir))
+    assert checkpointer.latest_step() == latest
+    _, _, step = restore_model(str(model_dir))
+    assert step == latest
+
+
+def test_shape_mismatch_names_first_parameter_and_both_shapes(run8, data_config):
+    model_dir, _ = run8
+    wider = MODEL.replace(d_model=64)
+    t = make_trainer(model_dir, data_config, 8, (1, 1, 1), 1, model_config=wider)
+    with pytest.raises(ckpt_lib.ShapeMismatchError) as e:
+        t.run()
+    msg = str(e.value)
+    assert "parameter 'block/" in msg or "parameter 'embeddings/" in msg
+    assert "32" in msg and "64" in msg and "but the configured model wants" in msg

@@ -1,0 +1,239 @@
+"""End-to-end CLI runs of ``python -m ode_lm.train`` as real subprocesses.
+
+One uninterrupted reference run is shared by: exact resume after SIGKILL, SIGTERM
+preemption, TensorBoard read-back and the "bad input leaves MODEL_DIR intact" checks.
+A persistent XLA compilation cache makes the later runs skip recompiling the same step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+K = 4  # the killed run is stopped somewhere in the first K steps of 2K
+MICRO_GIN = """
+include 'models/tiny.gin'
+include 'data/builtin.gin'
+D_MODEL = 32
+NUM_HEADS = 2
+ODE_STEPS = 2
+TIME_EMBED_DIM = 4
+SEQ_LEN = 32
+BATCH_SIZE = 8
+VOCAB_SIZE = 384
+TOKENIZER = 'bytes'
+DATA_DIR = '{data_dir}'
+MODEL_DIR = '{model_dir}'
+TRAIN_STEPS = {steps}
+ModelConfig.sinusoidal_dim = 4
+train.model_dir = %MODEL_DIR
+train.num_train_steps = %TRAIN_STEPS
+TrainConfig.log_every = 1
+TrainConfig.eval_every = 0
+TrainConfig.eval_num_steps = (4,)
+OptimizerConfig.learning_rate = 3e-3
+OptimizerConfig.warmup_steps = 2
+CheckpointConfig.save_every = 1
+CheckpointConfig.max_to_keep = 3
+MeshConfig.ici_parallelism = (-1, 1, 1)
+DataConfig.eval_max_batches = 2
+"""
+
+
+def _env(cache_dir: Path) -> dict:
+    env = dict(os.environ)
+    env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train_cli")
+
+
+def write_gin(workdir: Path, name: str, model_dir: Path, steps: int = 2 * K) -> Path:
+    path = workdir / f"{name}.gin"
+    path.write_text(MICRO_GIN.format(data_dir=workdir / "data", model_dir=model_dir, steps=steps))
+    return path
+
+
+def start(workdir: Path, gin_file: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "ode_lm.train", f"--gin_file={gin_file}", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(workdir / "xla_cache"))
+
+
+def run(workdir: Path, gin_file: Path, *extra: str, timeout: int = 600):
+    proc = start(workdir, gin_file, *extra)
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def losses(model_dir: Path) -> dict[int, float]:
+    """Per-step train loss; a re-run step (after a kill) overwrites the earlier line."""
+    rows = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+def checkpoint_steps(model_dir: Path) -> list[int]:
+    d = model_dir / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def snapshot(model_dir: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(model_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(model_dir.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(workdir) -> Path:
+    """An uninterrupted 2K-step run."""
+    model_dir = workdir / "reference"
+    rc, out, err = run(workdir, write_gin(workdir, "reference", model_dir))
+    assert rc == 0, err[-3000:]
+    assert f"steps: {2 * K}" in out and "eval/perplexity" in out
+    return model_dir
+
+
+def test_reference_run_writes_config_checkpoints_and_tensorboard(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert checkpoint_steps(reference)[-1] == 2 * K
+    config = (reference / "config.gin").read_text()
+    assert "D_MODEL = 32" in config and "ModelConfig.d_model = %D_MODEL" in config
+    assert "TRAIN_STEPS = 8" in config and "TrainConfig.log_every = 1" in config
+    assert json.loads((reference / "model_config.json").read_text())["d_model"] == 32
+    acc = EventAccumulator(str(reference))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for name in ("loss", "learning_rate", "grad_norm", "param_norm", "tokens_per_second",
+                 "tokens_seen", "step_time", "mfu"):
+        assert f"train/{name}" in tags, (name, sorted(tags))
+    for name in ("eval/loss", "eval/perplexity", "eval/loss@steps=4", "eval/perplexity@steps=4"):
+        assert name in tags, (name, sorted(tags))
+    assert len(acc.Scalars("train/loss")) == 2 * K
+    assert acc.Scalars("train/tokens_seen")[-1].value == 2 * K * 8 * 32
+    assert "config" in " ".join(acc.Tags()["tensors"])  # operative config as text
+
+
+def test_exact_resume_after_sigkill(workdir, reference):
+    model_dir = workdir / "killed"
+    gin_file = write_gin(workdir, "killed", model_dir)
+    rng = random.Random()
+    kill_after = rng.randint(1, K)  # wait for this step's checkpoint, then a random moment
+    proc = start(workdir, gin_file)
+    deadline = time.time() + 600
+    while max(checkpoint_steps(model_dir), default=0) < kill_after and proc.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.02)
+    time.sleep(rng.uniform(0.0, 0.1))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = checkpoint_steps(model_dir)
+    assert killed_at and killed_at[-1] < 2 * K, killed_at
+    rc, out, err = run(workdir, gin_file)
+    assert rc == 0, err[-3000:]
+    assert "resumed from step" in out
+    assert losses(model_dir) == losses(reference)
+    assert_same_params(reference, model_dir)
+
+
+def assert_same_params(a: Path, b: Path) -> None:
+    """Bitwise-equal parameters at the final step (restored params-only on one CPU)."""
+    from flax import nnx
+
+    from ode_lm.training.checkpoint import tree_equal
+    from ode_lm.training.trainer import restore_model
+
+    model_a, _, step_a = restore_model(str(a))
+    model_b, _, step_b = restore_model(str(b))
+    assert step_a == step_b == 2 * K
+    assert tree_equal(nnx.state(model_a, nnx.Param), nnx.state(model_b, nnx.Param))
+
+
+def test_sigterm_saves_exits_zero_and_next_run_continues(workdir, reference):
+    model_dir = workdir / "preempted"
+    gin_file = write_gin(workdir, "preempted", model_dir)
+    proc = start(workdir, gin_file)
+    deadline = time.time() + 600
+    while not checkpoint_steps(model_dir) and proc.poll() is None:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM" in out
+    stopped = checkpoint_steps(model_dir)[-1]
+    assert stopped < 2 * K, "SIGTERM arrived too late to test anything"
+    rc, out, err = run(workdir, gin_file)
+    assert rc == 0, err[-3000:]
+    assert f"resumed from step {stopped}" in out
+    assert losses(model_dir) == losses(reference)
+    assert_same_params(reference, model_dir)
+
+
+BAD_INPUTS = {
+    "bad gin file": ([], "ModelConfig.d_model = = 3\n", "ModelConfig.d_model"),
+    "unknown binding": (["--gin.ModelConfig.d_modle=64"], "", "d_modle"),
+    "mesh not dividing devices": (["--gin.MeshConfig.ici_parallelism=(3, -1, 1)"], "",
+                                  "does not divide the device count 8"),
+    "batch not divisible": (["--gin.BATCH_SIZE=6"], "", "global_batch_size=6 is not divisible"),
+    "sequence too long": (["--gin.DataConfig.seq_len=64"], "", "exceeds the model's positions"),
+    "unwritable model dir": (["--gin.MODEL_DIR=/dev/null/run"], "", "is not writable"),
+    "changed model shape": (["--gin.D_MODEL=64"], "", "block/"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_one_line_error_and_model_dir_untouched(case, workdir, reference, capsys):
+    from ode_lm.train import main
+
+    extra, gin_tail, expected = BAD_INPUTS[case]
+    gin_file = write_gin(workdir, "bad_" + case.replace(" ", "_"), reference)
+    gin_file.write_text(gin_file.read_text() + gin_tail)
+    before = snapshot(reference)
+    rc = main([f"--gin_file={gin_file}", *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc != 0
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("ode-lm-train: error:") and expected in err, err
+    assert snapshot(reference) == before
+
+
+def test_changed_shape_error_names_parameter_and_both_shapes(workdir, reference, capsys):
+    from ode_lm.train import main
+
+    gin_file = write_gin(workdir, "changed_width", reference)
+    assert main([f"--gin_file={gin_file}", "--gin.NUM_HEADS=4", "--gin.D_MODEL=64"]) == 1
+    err = capsys.readouterr().err
+    assert "has shape (" in err and "but the configured model wants (" in err, err
+
+
+def test_eval_cli_matches_training_eval_and_sweeps_depth(reference, capsys):
+    from ode_lm.eval import main
+
+    rows = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
+    final_eval = [r for r in rows if "eval/loss" in r][-1]
+    assert main([f"--model_dir={reference}", "--num_steps=2,4", "--solver=euler"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["step"] == 2 * K
+    assert abs(results["eval/loss@steps=2"] - final_eval["eval/loss"]) < 1e-5
+    assert abs(results["eval/loss@steps=4"] - final_eval["eval/loss@steps=4"]) < 1e-5
+    assert results["eval/perplexity@steps=2"] > 1.0
+    assert main([f"--model_dir={reference}", "--solver=rk5"]) == 1
+    assert "--solver='rk5'" in capsys.readouterr().err
