@@ -201,10 +201,11 @@ TRAIN_SCRIPT = textwrap.dedent("""
         # a model this small is mostly (replicated) time-MLP weights: no FSDP-balance check
         train_config=TrainConfig(model_dir=model_dir, num_train_steps=num_train_steps,
                                  log_every=1, sharding_tolerance=10.0),
-        # eps well above the gradients' rounding noise: Adam divides tiny gradients by
-        # their own magnitude, which turns reduction-order noise (1e-9) into full-size
-        # updates and makes two correct runs drift apart by 1e-4 within a few steps
-        optimizer_config=OptimizerConfig(learning_rate=1e-2, warmup_steps=0, eps=1e-3),
+        # eps well above rounding noise, so Adam cannot blow reduction-order differences of
+        # near-zero gradients up into full-size updates
+        # constant learning rate (min_lr_ratio=1): the 5-step and 8-step runs share one curve
+        optimizer_config=OptimizerConfig(learning_rate=1e-2, warmup_steps=0, min_lr_ratio=1.0,
+                                         eps=1e-3),
         checkpoint_config=CheckpointConfig(save_every=5, async_save=False),
         train_data=train_data, eval_data=eval_data)
     result = trainer.run()
