@@ -28,6 +28,14 @@ def test_cached_equals_uncached_greedy(flavour, solver, steps):
         np.testing.assert_array_equal(row, ref)
 
 
+def test_materialised_model_cached_equals_uncached():
+    from ode_lm.models.materialize import materialize
+
+    pm = materialize(tiny("llama"), 3)
+    out = generate(pm, [[3, 1, 4, 1, 5]], max_new_tokens=5)
+    np.testing.assert_array_equal(out[0], greedy_uncached(pm, [3, 1, 4, 1, 5], 5))
+
+
 def test_sampling_is_seeded_and_top_p_limits_support():
     logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 64))
     import jax
