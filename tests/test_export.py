@@ -130,3 +130,28 @@ def test_missing_run_and_missing_checkpoint(tmp_path, capsys):
     save_model_config(str(run), tiny_config("gpt2"))
     assert _cli([f"--model_dir={run}", "--format=raw", f"--out={tmp_path / 'y'}"]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_tokenizer_files_copied_from_prepared_data(tmp_path):
+    from ode_lm.data.tokenizers import get_tokenizer, train_bpe
+    from ode_lm.export.tokenizer_files import copy_tokenizer, token_ids
+
+    data = tmp_path / "data"
+    data.mkdir()
+    train_bpe([f"the solver takes step {i} of the ODE" for i in range(200)], 300,
+              data / "tokenizer.json")
+    ours = get_tokenizer("bpe:300", str(data))
+    (data / "manifest.json").write_text(json.dumps({"tokenizer": {
+        "spec": "bpe:300", "file": "tokenizer.json", "sha256": ours.fingerprint,
+        "vocab_size": ours.vocab_size, "eos_id": ours.eos_id}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert "tokenizer.json" in copy_tokenizer(str(data), str(out))
+    assert token_ids(str(data)) == {"bos_token_id": ours.eos_id, "eos_token_id": ours.eos_id}
+    if _hf_available():
+        import transformers
+
+        hf = transformers.AutoTokenizer.from_pretrained(str(out))
+        text = "the solver takes step 7"
+        assert hf(text)["input_ids"] == [int(i) for i in ours.encode(text)]
+        assert hf.eos_token_id == ours.eos_id

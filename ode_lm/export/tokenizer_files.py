@@ -26,9 +26,17 @@ def _manifest(data_dir: str) -> dict[str, Any] | None:
 def token_ids(data_dir: str | None) -> dict[str, int]:
     """bos/eos ids for config.json (both the EOS; GPT-2 style documents are EOS-separated)."""
     m = _manifest(data_dir) if data_dir else None
-    if not m or "eos_id" not in m:
+    eos = _eos_id(m)
+    if eos is None:
         return {}
-    return {"bos_token_id": int(m["eos_id"]), "eos_token_id": int(m["eos_id"])}
+    return {"bos_token_id": eos, "eos_token_id": eos}
+
+
+def _eos_id(m: dict[str, Any] | None) -> int | None:
+    if not m:
+        return None
+    eos = m.get("eos_id", m.get("tokenizer", {}).get("eos_id"))
+    return None if eos is None else int(eos)
 
 
 def copy_tokenizer(data_dir: str | None, out_dir: str) -> list[str]:
@@ -47,7 +55,7 @@ def copy_tokenizer(data_dir: str | None, out_dir: str) -> list[str]:
         src = arg
     if src and os.path.exists(src):
         shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
-        eos = _eos_token(src, m.get("eos_id"))
+        eos = _eos_token(src, _eos_id(m))
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
         if eos is not None:
             cfg.update(eos_token=eos, bos_token=eos, unk_token=eos)
@@ -58,8 +66,8 @@ def copy_tokenizer(data_dir: str | None, out_dir: str) -> list[str]:
         shutil.copyfile(arg, os.path.join(out_dir, "tokenizer.model"))
         written.append("tokenizer.model")
     with open(os.path.join(out_dir, TOKENIZER_NOTE), "w") as f:
-        json.dump({"spec": spec, "sha256": tok.get("sha256"), "eos_id": m.get("eos_id"),
-                   "vocab_size": m.get("vocab_size"), "data_dir": data_dir}, f, indent=2)
+        json.dump({"spec": spec, "sha256": tok.get("sha256"), "eos_id": _eos_id(m),
+                   "vocab_size": tok.get("vocab_size"), "data_dir": data_dir}, f, indent=2)
     return written + [TOKENIZER_NOTE]
 
 
