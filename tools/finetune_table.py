@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The README's adaptive-depth table: pretrain cpu_small at 6 steps, fine-tune at M steps.
 
-  python tools/finetune_table.py [--pretrain_steps=150] [--finetune_steps=30] [--depths=3,6,12]
+  python tools/finetune_table.py [--pretrain_steps=60] [--finetune_steps=15] [--depths=3,6,12]
 
 1. pretrains ``configs/finetune/pretrain_demo.gin`` (built-in corpus, 30% of documents held
    out) unless its checkpoint exists;
@@ -70,8 +70,8 @@ def zero_shot_perplexity(model, data_config, num_steps: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--pretrain_steps", type=int, default=150)
-    p.add_argument("--finetune_steps", type=int, default=30)
+    p.add_argument("--pretrain_steps", type=int, default=60)
+    p.add_argument("--finetune_steps", type=int, default=15)
     p.add_argument("--depths", default="3,6,12")
     p.add_argument("--methods", default="full,lora")
     args = p.parse_args()
