@@ -179,7 +179,7 @@ def plot(points: Sequence[RunPoint], fits: Sequence[PowerLaw], path: str) -> Non
             ax.plot(grid, fit(grid), "--", color=c, lw=1)
         ax.plot(xs, [p.final_eval_loss for p in series], "o", color=c, label=label)
         for p in series:
-            ax.annotate(f"D={p.width}", (p.train_flops, p.final_eval_loss), fontsize=7,
+            ax.annotate(f"width {p.width}", (p.train_flops, p.final_eval_loss), fontsize=7,
                         xytext=(3, 3), textcoords="offset points")
     ax.set_xscale("log")
     ax.set_yscale("log")
