@@ -61,8 +61,9 @@ def run8(tmp_path_factory, data_config):
     return model_dir, host(trainer.state)
 
 
-def test_topology_change_8_to_4_to_1(run8, data_config):
-    model_dir, saved = run8
+def test_topology_change_8_to_4_to_1(run8, data_config, tmp_path):
+    model_dir, saved = tmp_path / "run", run8[1]
+    shutil.copytree(run8[0], model_dir)  # keep the 8-device run at step 3 for other tests
     t4 = make_trainer(model_dir, data_config, 6, (1, -1, 2), 4)
     restored = t4.checkpointer.restore(3, t4.spec.abstract_state)
     assert ckpt_lib.tree_equal(host(restored), saved)
