@@ -388,9 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         need = (f"{report.peak_bytes / GiB:.2f} GiB" if not report.error else
                 f"at least {report.peak_bytes / GiB:.1f} GiB" if report.peak_bytes else
                 "more than HBM")
+        remat = "" if cfg["model"].remat == "full" else ", use --remat=full"
         print(f"aot_compile.py: does not fit: the train step needs {need} per chip on "
-              f"{topo.name} ({topo.chip.hbm_bytes / GiB:.0f} GiB HBM); lower the batch, use "
-              "--remat=full, or add chips", file=sys.stderr)
+              f"{topo.name} ({topo.chip.hbm_bytes / GiB:.0f} GiB HBM); lower the batch{remat} "
+              "or add chips", file=sys.stderr)
         return 1
     if args.search:
         print(f"largest per-chip batch that fits: {report.per_chip_batch:g} "
