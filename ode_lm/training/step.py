@@ -48,15 +48,19 @@ def token_loss_sums(
     """(sum of masked next-token cross-entropy, number of counted tokens) for one batch."""
     model = spec.model(params)
     rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
-    logits = model(
-        batch["inputs"],
-        batch.get("positions"),
-        batch.get("segment_ids"),
-        num_steps=num_steps,
-        solver=solver,
-        deterministic=dropout_key is None,
-        rngs=rngs,
-    )
+    # The rules make the model's logical activation constraints (activation_batch, ...)
+    # real under the caller's mesh; without them they are no-ops and XLA may replicate
+    # activations across the batch shards.
+    with nnx.logical_axis_rules(spec.rules):
+        logits = model(
+            batch["inputs"],
+            batch.get("positions"),
+            batch.get("segment_ids"),
+            num_steps=num_steps,
+            solver=solver,
+            deterministic=dropout_key is None,
+            rngs=rngs,
+        )
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch["targets"]
     )

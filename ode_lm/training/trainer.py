@@ -184,6 +184,7 @@ class Trainer:
             check_vocab(model_config, data_config)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
+        self._eval_steps: dict[int | None, Callable] = {}  # jitted once per ODE step count
 
     # ------------------------------------------------------------------ pieces
     def restore_or_init(self, data_iterator: Any) -> tuple[dict, bool]:
@@ -202,7 +203,9 @@ class Trainer:
         results = {}
         solver = self.cfg.eval_solver
         for num_steps in (None, *self.cfg.eval_num_steps):
-            eval_step = step_lib.make_eval_step(self.spec, num_steps, solver)
+            if num_steps not in self._eval_steps:
+                self._eval_steps[num_steps] = step_lib.make_eval_step(self.spec, num_steps, solver)
+            eval_step = self._eval_steps[num_steps]
             loss_sum, tokens = 0.0, 0.0
             with jax.set_mesh(self.mesh):
                 for batch in self.eval_data(self.data_config, self.mesh, self.rules):
