@@ -4,6 +4,13 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the suite and every CLI subprocess it starts:
+# many tests compile the same tiny programs, and compiling dominates the suite's time.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(__import__("tempfile").gettempdir(), "ode_lm_test_xla_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import pathlib  # noqa: E402
 

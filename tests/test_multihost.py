@@ -131,10 +131,12 @@ COLLECTIVE_SCRIPT = textwrap.dedent("""
     x = jax.make_array_from_process_local_data(sharding, local, (jax.device_count(),))
     total = jax.jit(lambda a: jnp.sum(a * a), out_shardings=NamedSharding(mesh, P()))(x)
     distributed.sync("done")
-    print("RESULT", json.dumps({"mode": info.mode, "index": info.process_index,
+    # One write() call: gloo's own stdout lines must not split the RESULT line.
+    sys.stdout.write("RESULT " + json.dumps({"mode": info.mode, "index": info.process_index,
                       "count": info.process_count, "local": info.local_device_count,
                       "global": info.device_count, "primary": distributed.is_primary(),
-                      "total": float(total)}))
+                      "total": float(total)}) + "\\n")
+    sys.stdout.flush()
     distributed.shutdown()
 """)
 
@@ -209,9 +211,10 @@ TRAIN_SCRIPT = textwrap.dedent("""
         checkpoint_config=CheckpointConfig(save_every=5, async_save=False),
         train_data=train_data, eval_data=eval_data)
     result = trainer.run()
-    print("RESULT", json.dumps({"index": info.process_index, "count": info.process_count,
-                                "devices": info.device_count, "step": result.step,
-                                "eval": result.eval}))
+    out = {"index": info.process_index, "count": info.process_count,
+           "devices": info.device_count, "step": result.step, "eval": result.eval}
+    sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
+    sys.stdout.flush()
     distributed.shutdown()
 """)
 
