@@ -331,7 +331,7 @@ class TrainBench:
             "step_s_statistic": "mean" if use_mean else "median",
             "step_s_median": med,
             "step_s_mean": mean,
-            "step_s_min": min(times) if times else math.nan,
+            "step_s_min": min(walls) if walls else math.nan,
             "steps_timed": len(times),
             "tokens_per_s": tok_s,
             "flops_per_step": self.flops,
@@ -345,6 +345,21 @@ class TrainBench:
             "compiled_peak_bytes": self.peak_bytes,
             "last_loss": self.last_loss,
         }
+
+
+def time_in_blocks(benches: Sequence[TrainBench], steps: int,
+                   warmup: int = 2) -> list[list[tuple[float, float]]]:
+    """One bench after the other, waiting for its pending saves before the next starts:
+    used for checkpointing benches, whose background writes would otherwise run during
+    (and be charged to) the other benches' steps."""
+    times: list[list[tuple[float, float]]] = []
+    for b in benches:
+        for _ in range(warmup):
+            b.step()
+        times.append([b.step() for _ in range(steps)])
+        if b.checkpointer is not None:
+            b.checkpointer.wait()
+    return times
 
 
 def time_round_robin(benches: Sequence[TrainBench], steps: int,

@@ -163,7 +163,8 @@ def run_bench(args: argparse.Namespace) -> dict:
         "groups": {},
     }
     for group, members, use_mean in plan:
-        times = bu.time_round_robin([b for _, b in members], args.steps, args.warmup)
+        timer = bu.time_in_blocks if group == "checkpoint" else bu.time_round_robin
+        times = timer([b for _, b in members], args.steps, args.warmup)
         rows = []
         for (label, b), t in zip(members, times, strict=True):
             row = b.summary(t, mm_peak, acc_peak, use_mean=use_mean)
@@ -177,6 +178,18 @@ def run_bench(args: argparse.Namespace) -> dict:
             row["relative_step_time"] = row["step_s"] / rows[0]["step_s"]
             row["relative_cpu_time"] = row["cpu_s"] / rows[0]["cpu_s"]
         results["groups"][group] = rows
+    # The peak is a best-of: measure again after the timed steps (load on a shared host
+    # changes during a run) and keep the higher rate; MFU figures use the final peak.
+    again = bu.matmul_peak("float32", args.matmul_size)
+    if again[0] > mm_peak[0] or again[1] > mm_peak[1]:
+        mm_peak = (max(mm_peak[0], again[0]), max(mm_peak[1], again[1]))
+        for rows in results["groups"].values():
+            for row in rows:
+                row["mfu_vs_matmul_peak"] = row["achieved_flops"] / mm_peak[0]
+                row["mfu_cpu_time"] = row["flops_per_step"] / row["cpu_s"] / mm_peak[1]
+    results["matmul_peak_flops"], results["matmul_peak_flops_per_cpu_s"] = mm_peak
+    print(f"fp32 jnp.dot peak, best of start and end: {mm_peak[0] / 1e9:.1f} GFLOP/s (wall), "
+          f"{mm_peak[1] / 1e9:.1f} GFLOP per CPU-second")
     results["memory"] = {
         "compiled_peak": "XLA buffer assignment of the compiled train step: arguments + "
                          "temporaries + outputs - aliased (donated) bytes",
