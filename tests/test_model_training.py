@@ -86,12 +86,13 @@ def test_bf16_forward_close_to_fp32():
 
 
 def test_precompute_and_remat_policies_match_in_scan():
-    base = ModelConfig(**TINY)
+    base = ModelConfig(**TINY, weight_generation="in_scan")
     model = build_model(base, nnx.Rngs(0))
     x = tokens()
     ref = flat_grads(model, x)
     state = nnx.state(model)
     for kw in ({"weight_generation": "precompute", "remat": "dots_saveable"},
+               {"weight_generation": "precompute"}, {"weight_generation": "auto"},
                {"remat": "full"}):
         other = nnx.merge(nnx.graphdef(build_model(base.replace(**kw), nnx.Rngs(0))), state)
         g = flat_grads(other, x)

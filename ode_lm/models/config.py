@@ -14,7 +14,7 @@ ARCHITECTURES = ("ode", "sequential", "parallel")
 SOLVERS = ("euler", "midpoint", "rk4")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots_saveable")
-WEIGHT_GENERATION = ("in_scan", "precompute")
+WEIGHT_GENERATION = ("auto", "in_scan", "precompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,9 @@ class ModelConfig:
     sinusoidal_dim: int = 128  # S -> time features of size 2S+1
     time_scale: float = 1000.0
     time_dependent: bool = True  # False: autonomous weight-shared ODE (ablation)
-    weight_generation: str = "in_scan"  # in_scan | precompute
+    # auto: precompute when the N·stages generated weight sets are no larger than the D
+    # coefficient sets (N·stages <= D), else generate W(t) inside the scan step.
+    weight_generation: str = "auto"
     random_grid_offset: bool = False
     # discrete baselines
     num_layers: int = 12

@@ -100,9 +100,11 @@ class DiffEqFormer(nnx.Module):
         keys = jax.random.split(rngs.dropout(), num_steps) if needs_dropout else None
 
         step_inputs = {}
-        if cfg.weight_generation == "precompute":
+        if precompute_weights(cfg, num_steps, solver):
+            # W(t) for every stage of every step as one [N·stages, D] × [D, P] contraction.
             times = solvers.evaluation_times(num_steps, solver) + offset
-            step_inputs["w"] = jax.vmap(jax.vmap(self.block.weights))(times)
+            step_inputs["w"] = jax.tree.map(lambda a: a.reshape(times.shape + a.shape[1:]),
+                                            self.block.weights(times.reshape(-1)))
         if keys is not None:
             step_inputs["key"] = keys
 
@@ -150,6 +152,18 @@ class DiffEqFormer(nnx.Module):
         _, traj = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
                              return_trajectory=True)
         return traj
+
+
+def precompute_weights(config: ModelConfig, num_steps: int, solver: str) -> bool:
+    """Whether the solve generates all W(t_k) up front (one contraction that reads A once,
+    and writes dA once in the backward pass) rather than inside each scan step (which
+    reads A, and accumulates dA, at every step). ``auto`` precomputes while the N·stages
+    generated weight sets take no more memory than the D coefficient sets."""
+    if not config.time_dependent or config.weight_generation == "in_scan":
+        return False
+    if config.weight_generation == "precompute":
+        return True
+    return num_steps * solvers.num_stages(solver) <= config.time_embed_dim
 
 
 def weights_at(model: DiffEqFormer, t: jax.Array | float) -> BlockWeights:

@@ -25,6 +25,36 @@ from ode_lm.models.time_embedding import TimeMLP, time_features
 _INIT_GRID = 64  # t points used to measure the mean g(t)² at init
 
 
+@jax.custom_vjp
+def generate_kernel(g: jax.Array, w0: jax.Array, a: jax.Array) -> jax.Array:
+    """W = W₀ + Σ_d g[..., d]·A[d, ...]: g [*K, D], W₀ [*P], A [D, *P] → [*K, *P].
+
+    The custom backward computes dA = Σ_k g[k] ⊗ dW[k] and dW₀ = Σ_k dW[k] as contractions
+    straight into A's [D, *P] layout. Autodiff's rule yields [*P, D] plus a transpose of the
+    whole coefficient tensor and a separate reduction, which on CPU cost more than the
+    contraction itself.
+    """
+    return w0 + jnp.tensordot(g, a, axes=1)
+
+
+def _generate_kernel_fwd(g, w0, a):
+    return generate_kernel(g, w0, a), (g, a)
+
+
+def _generate_kernel_bwd(res, ct):
+    g, a = res
+    k, p = g.ndim - 1, a.ndim - 1
+    batch = tuple(range(k))
+    ct = ct.astype(a.dtype)
+    dg = jnp.tensordot(ct, a, axes=(tuple(range(k, k + p)), tuple(range(1, 1 + p))))
+    da = jnp.tensordot(g.astype(a.dtype), ct, axes=(batch, batch))
+    dw0 = jnp.tensordot(jnp.ones(g.shape[:-1], a.dtype), ct, axes=(batch, batch)) if k else ct
+    return dg.astype(g.dtype), dw0, da
+
+
+generate_kernel.defvjp(_generate_kernel_fwd, _generate_kernel_bwd)
+
+
 def _mean_square_g(time_mlp: TimeMLP, config: ModelConfig) -> jax.Array:
     t = jnp.linspace(0.0, 1.0, _INIT_GRID)
     return jnp.mean(jnp.square(time_mlp(time_features(config, t))))
@@ -69,13 +99,15 @@ class TemporalDense(nnx.Module):
             self.bias = param(zeros, tuple(out_shape), self.out_axes) if use_bias else None
 
     def generate(self, features: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """(W(t), b(t)) in float32 for features φ(t) of shape [2S+1]."""
+        """(W(t), b(t)) in float32 for features φ(t) of shape [2S+1], or [K, 2S+1] for K
+        times at once (then W is [K, *kernel]: one [K, D] × [D, P] contraction that reads
+        the coefficients A once, which is what ``weight_generation='precompute'`` uses)."""
         if not self.time_dependent:
             bias = None if self.bias is None else self.bias[...]
             return self.w0[...], bias
         g = self.time_mlp(features)
-        kernel = self.w0[...] + jnp.tensordot(g, self.a[...], axes=1)
-        kernel = constrain(kernel, self.kernel_axes)
+        kernel = generate_kernel(g, self.w0[...], self.a[...])
+        kernel = constrain(kernel, (None,) * (g.ndim - 1) + self.kernel_axes)
         bias = None if self.f_b is None else jnp.tensordot(g, self.f_b[...], axes=1)
         return kernel, bias
 

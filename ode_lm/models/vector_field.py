@@ -191,7 +191,10 @@ class TemporalBlock(nnx.Module):
         })
 
     def weights(self, t: jax.Array | float) -> BlockWeights:
-        """The static block weights at depth t (float32, shapes per ``weight_spec``)."""
+        """The static block weights at depth t (float32, shapes per ``weight_spec``).
+
+        ``t`` may also be a vector of K times: every entry then gets a leading K axis.
+        """
         feats = time_features(self.config, t)
         w: BlockWeights = {}
         for n in ("norm1", "norm2"):
