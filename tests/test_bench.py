@@ -133,3 +133,22 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
     assert rows["async save every step"]["saves"] == 3  # 1 warm-up + 2 timed steps
     assert rows["async save every 10"]["saves"] == 0
     assert not list(tmp_path.glob("bench_ckpt*"))  # timed checkpoints are cleaned up
+
+
+def test_profile_groups_find_weight_generation_and_optimizer_ops(repo_root):
+    """tools/profile_step.py attributes ops by the compiled HLO's op_name metadata: the
+    named scopes of weight generation and the optimizer must survive compilation."""
+    spec = importlib.util.spec_from_file_location(
+        "profile_step", repo_root / "tools" / "profile_step.py")
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    cfg = bu.get_config("tiny")
+    bench = bu.TrainBench("ode", cfg, cfg.model_config("ode"), bu.make_mesh(jax.devices()[:1]),
+                          count_flops=False)
+    ops = prof.hlo_ops(bench.compiled.as_text())
+    groups = {prof.category(op_name) for _, op_name in ops.values()}
+    assert {"weight generation", "optimizer", "ODE/layer body fwd", "ODE/layer body bwd",
+            "head+loss fwd", "head+loss bwd"} <= groups
+    assert prof.category("jit(train_step)/transpose(jvp())/while/body/dot_general") == \
+        "ODE/layer body bwd"
+    assert prof.category("") == "other"

@@ -82,6 +82,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     import jax
 
     from ode_lm import bench_utils as bu
+    from ode_lm.models.lm import precompute_weights
 
     cfg = bu.get_config(args.config)
     devices = jax.devices()
@@ -115,7 +116,8 @@ def run_bench(args: argparse.Namespace) -> dict:
             cache[model_config] = b
         return cache[model_config]
 
-    ode_label = f"ode {base.solver} N={n} {base.weight_generation}"
+    resolved = "precompute" if precompute_weights(base, n, base.solver) else "in_scan"
+    ode_label = f"ode {base.solver} N={n} {resolved}"
     ode = bench(base, ode_label)
     plan: list[tuple[str, list[tuple[str, object]], bool]] = []
     if "compare" in args.sections:
@@ -123,7 +125,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         plan.append(("compare", [(vanilla.label, vanilla), (ode_label, ode)], False))
     if "weight_gen" in args.sections:
         plan.append(("weight_gen", [
-            (f"weight gen {w}", ode if w == base.weight_generation else
+            (f"weight gen {w}", ode if w == resolved else
              bench(base.replace(weight_generation=w), f"ode weight gen {w}"))
             for w in ("in_scan", "precompute")], False))
     if "remat" in args.sections:

@@ -34,7 +34,8 @@ def generate_kernel(g: jax.Array, w0: jax.Array, a: jax.Array) -> jax.Array:
     whole coefficient tensor and a separate reduction, which on CPU cost more than the
     contraction itself.
     """
-    return w0 + jnp.tensordot(g, a, axes=1)
+    with jax.named_scope("weight_generation"):
+        return w0 + jnp.tensordot(g, a, axes=1)
 
 
 def _generate_kernel_fwd(g, w0, a):
@@ -45,10 +46,11 @@ def _generate_kernel_bwd(res, ct):
     g, a = res
     k, p = g.ndim - 1, a.ndim - 1
     batch = tuple(range(k))
-    ct = ct.astype(a.dtype)
-    dg = jnp.tensordot(ct, a, axes=(tuple(range(k, k + p)), tuple(range(1, 1 + p))))
-    da = jnp.tensordot(g.astype(a.dtype), ct, axes=(batch, batch))
-    dw0 = jnp.tensordot(jnp.ones(g.shape[:-1], a.dtype), ct, axes=(batch, batch)) if k else ct
+    with jax.named_scope("weight_generation_grad"):
+        ct = ct.astype(a.dtype)
+        dg = jnp.tensordot(ct, a, axes=(tuple(range(k, k + p)), tuple(range(1, 1 + p))))
+        da = jnp.tensordot(g.astype(a.dtype), ct, axes=(batch, batch))
+        dw0 = jnp.tensordot(jnp.ones(g.shape[:-1], a.dtype), ct, axes=(batch, batch)) if k else ct
     return dg.astype(g.dtype), dw0, da
 
 

@@ -117,10 +117,11 @@ def make_train_step(
             zeros = jax.tree.map(jnp.zeros_like, params)
             (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), (micro, jnp.arange(k)))
 
-        grad_norm = optax.tree.norm(grads)
-        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = spec.tx.update(grads, state["opt_state"], params)
-        new_params = optax.apply_updates(params, updates)
+        with jax.named_scope("optimizer"):  # names the update's ops in profiles
+            grad_norm = optax.tree.norm(grads)
+            ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            updates, new_opt = spec.tx.update(grads, state["opt_state"], params)
+            new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         bad = (~ok).astype(jnp.int32)
         new_state = {
