@@ -375,11 +375,29 @@ def _global_batches(host_batches, sharding):
         }
 
 
+def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = None) -> dict:
+    """``ensure_prepared`` for a multi-host job: process 0 prepares the (shared) DATA_DIR
+    while the others wait at a barrier, so hosts never race to write the same shards; a
+    host that still finds no manifest afterwards (a per-host local DATA_DIR) prepares its
+    own copy. Returns the manifest."""
+    from ode_lm import data as data_lib
+
+    if jax.process_count() > 1:
+        if jax.process_index() == 0:
+            data_lib.ensure_prepared(data_config)
+        if sync is None:
+            from jax.experimental import multihost_utils
+
+            sync = multihost_utils.sync_global_devices
+        sync("ode_lm: data prepared by process 0")
+    return data_lib.ensure_prepared(data_config)
+
+
 def default_train_data(data_config: Any, mesh, rules, start_step: int):
     """The grain train pipeline of ode_lm.data, as global arrays sharded over the batch."""
     from ode_lm import data as data_lib
 
-    data_lib.ensure_prepared(data_config)
+    prepare_data_once(data_config)
     iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
     return iterator, _global_batches(iterator, partitioning.batch_sharding(mesh, rules))
 
@@ -394,9 +412,7 @@ def default_eval_data(data_config: Any, mesh, rules):
 
 def check_vocab(model_config: ModelConfig, data_config: Any) -> None:
     """The model's vocabulary must cover the prepared data's token ids."""
-    from ode_lm import data as data_lib
-
-    manifest = data_lib.ensure_prepared(data_config)
+    manifest = prepare_data_once(data_config)
     if manifest["vocab_size"] > model_config.vocab_size:
         raise ValueError(
             f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
