@@ -362,6 +362,13 @@ def time_in_blocks(benches: Sequence[TrainBench], steps: int,
     return times
 
 
+def paired_ratio(times: Sequence[tuple[float, ...]], reference: Sequence[tuple[float, ...]],
+                 index: int = 0) -> float:
+    """Median over rounds of times[i][index] / reference[i][index]: the ratio of two
+    round-robin benches with the drift of a shared host's speed divided out per round."""
+    return statistics.median(a[index] / b[index] for a, b in zip(times, reference, strict=True))
+
+
 def time_round_robin(benches: Sequence[TrainBench], steps: int,
                      warmup: int = 2) -> list[list[tuple[float, float]]]:
     """``warmup`` untimed steps each, then ``steps`` timed steps each, interleaved:

@@ -60,14 +60,18 @@ def test_configs_match_the_issue():
 
 def test_targets_arithmetic(bench_cli):
     vanilla = {"step_s": 1.0, "cpu_s": 2.0, "mfu_vs_matmul_peak": 0.6, "mfu_cpu_time": 0.6,
-               "params": 1000, "compiled_peak_bytes": 10_000}
-    ode = {"step_s": 1.2, "cpu_s": 2.1, "mfu_vs_matmul_peak": 0.55, "mfu_cpu_time": 0.45,
-           "params": 1500, "compiled_peak_bytes": 18_000}
+               "params": 1000, "compiled_peak_bytes": 10_000,
+               "relative_step_time": 1.0, "relative_cpu_time": 1.0}
+    ode = {"step_s": 1.3, "cpu_s": 2.1, "mfu_vs_matmul_peak": 0.55, "mfu_cpu_time": 0.45,
+           "params": 1500, "compiled_peak_bytes": 18_000,
+           "relative_step_time": 1.2, "relative_cpu_time": 1.05}
     ckpt = [{"variant": "no saves", "tokens_per_s": 100.0, "cpu_s": 2.0},
             {"variant": "async save every 10", "tokens_per_s": 99.0, "cpu_s": 2.0},
             {"variant": "async save every step", "tokens_per_s": 85.0, "cpu_s": 2.1}]
     t = bench_cli._targets({"compare": [vanilla, ode], "checkpoint": ckpt})
+    # the target uses the paired (per-round) ratio; the ratio of medians is kept beside it
     assert t["ode_vanilla_step_ratio"]["value"] == pytest.approx(1.2)
+    assert t["ode_vanilla_step_ratio"]["ratio_of_medians"] == pytest.approx(1.3)
     assert t["ode_vanilla_step_ratio"]["met"] is False
     # the same ratio from process CPU time: 2.1 / 2.0 = 1.05 <= 1.10
     assert t["ode_vanilla_step_ratio"]["value_cpu_time"] == pytest.approx(1.05)
@@ -81,6 +85,22 @@ def test_targets_arithmetic(bench_cli):
     assert t["ckpt_every_step_throughput_kept"]["met"] is False
     assert t["ckpt_every_step_throughput_kept"]["value_cpu_time"] == pytest.approx(2.0 / 2.1)
     assert t["ckpt_every_10_throughput_kept"]["met"] is None  # reported, no target
+
+
+def test_paired_ratio_divides_out_drift():
+    # the host slows down 2x halfway; each round the second bench is 1.05x the first
+    first = [(1.0, 2.0)] * 5 + [(2.0, 4.0)] * 5
+    second = [(1.05 * w, 1.1 * c) for w, c in first]
+    assert bu.paired_ratio(second, first, 0) == pytest.approx(1.05)
+    assert bu.paired_ratio(second, first, 1) == pytest.approx(1.1)
+    # with the slow phase longer on one side, medians taken separately compare different
+    # phases of the drift (2.1 / 1.0); the paired ratio does not
+    ref = [(1.0, 2.0)] * 6 + [(2.0, 4.0)] * 4
+    other = [(1.05 * w, 1.1 * c) for w, c in [(2.0, 4.0)] * 6 + [(1.0, 2.0)] * 4]
+    other_sorted_like_ref = [(1.05 * w, 1.1 * c) for w, c in ref]
+    assert bu.paired_ratio(other_sorted_like_ref, ref, 0) == pytest.approx(1.05)
+    median = lambda xs: sorted(xs)[len(xs) // 2]
+    assert median([w for w, _ in other]) / median([w for w, _ in ref]) == pytest.approx(2.1)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -128,7 +148,9 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
     # the ODE does at least the vanilla model's matmuls (plus weight generation)
     assert ode["flops_per_step"] >= vanilla["flops_per_step"]
     ratio = result["targets"]["ode_vanilla_step_ratio"]["value"]
-    assert ratio == pytest.approx(ode["step_s"] / vanilla["step_s"])
+    assert ratio == pytest.approx(ode["relative_step_time"])
+    assert result["targets"]["ode_vanilla_step_ratio"]["ratio_of_medians"] == pytest.approx(
+        ode["step_s"] / vanilla["step_s"])
     rows = {r["variant"]: r for r in result["groups"]["checkpoint"]}
     assert rows["async save every step"]["saves"] == 3  # 1 warm-up + 2 timed steps
     assert rows["async save every 10"]["saves"] == 0
