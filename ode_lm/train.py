@@ -96,4 +96,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-train") -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ode_lm import distributed
+
+    distributed.exit_process(main())

@@ -136,8 +136,7 @@ COLLECTIVE_SCRIPT = textwrap.dedent("""
                       "count": info.process_count, "local": info.local_device_count,
                       "global": info.device_count, "primary": distributed.is_primary(),
                       "total": float(total)}) + "\\n")
-    sys.stdout.flush()
-    distributed.shutdown()
+    distributed.exit_process(0)  # no CPU-client teardown: it can hang with gloo
 """)
 
 
@@ -214,8 +213,7 @@ TRAIN_SCRIPT = textwrap.dedent("""
     out = {"index": info.process_index, "count": info.process_count,
            "devices": info.device_count, "step": result.step, "eval": result.eval}
     sys.stdout.write("RESULT " + json.dumps(out) + "\\n")
-    sys.stdout.flush()
-    distributed.shutdown()
+    distributed.exit_process(0)  # no CPU-client teardown: it can hang with gloo
 """)
 
 
