@@ -113,3 +113,41 @@ def test_shape_mismatch_names_first_parameter_and_both_shapes(run8, data_config)
     msg = str(e.value)
     assert "parameter 'block/" in msg or "parameter 'embeddings/" in msg
     assert "32" in msg and "64" in msg and "but the configured model wants" in msg
+
+
+def test_restores_checkpoints_saved_with_zstd(tmp_path):
+    """Runs saved before compression was turned off (orbax's StandardCheckpointHandler,
+    zstd) restore through today's Checkpointer, onto another sharding."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    state = {"params": {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
+                                            NamedSharding(mesh, P("fsdp")))},
+             "step": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
+    directory = tmp_path / ckpt_lib.CHECKPOINT_SUBDIR
+    with ocp.CheckpointManager(directory, item_handlers={
+            "state": ocp.StandardCheckpointHandler()}) as old:
+        old.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+        old.wait_until_finished()
+    target = {"params": {"w": jax.ShapeDtypeStruct((8, 8), np.float32,
+                                                   sharding=NamedSharding(mesh, P(None, "fsdp")))},
+              "step": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, P()))}
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+    restored = ckpt.restore(3, target)
+    ckpt.close()
+    np.testing.assert_array_equal(restored["params"]["w"], np.asarray(state["params"]["w"]))
+    assert restored["params"]["w"].sharding.spec == P(None, "fsdp")
+    assert int(restored["step"]) == 3
+
+
+def test_saves_are_not_compressed(tmp_path):
+    """A 4 MiB block of zeros stays 4 MiB on disk: compression costs CPU on every save
+    and buys almost nothing on float32 training state."""
+    zeros = {"params": {"w": jax.numpy.zeros((1024, 1024), np.float32)}}
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path))
+    ckpt.save(1, zeros, force=True)
+    ckpt.close()
+    files = [p for p in (tmp_path / ckpt_lib.CHECKPOINT_SUBDIR / "1").rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) >= 4 * 2**20
