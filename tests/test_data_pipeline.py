@@ -162,3 +162,22 @@ def test_to_global_batch_shards_over_activation_batch():
         assert v.sharding.spec[0] == ("data", "fsdp")
         np.testing.assert_array_equal(np.asarray(v), batch[k])
     assert len(out["inputs"].addressable_shards) == 8
+
+
+def test_to_global_batch_follows_rule_overrides():
+    """A gin override of activation_batch reaches the data sharding (the trainer passes its
+    rules), so the batch arrives laid out as the train step expects."""
+    import jax
+
+    from ode_lm import partitioning
+
+    cfg = builtin_config()
+    batch = next(make_train_iterator(cfg, process_index=0, process_count=1))
+    devices = np.array(jax.devices()[:8]).reshape(2, 4, 1)
+    mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
+    rules = partitioning.axis_rules((("activation_batch", "data"),))
+    out = to_global_batch(batch, mesh, rules)
+    for k, v in out.items():
+        assert v.sharding.spec[0] == "data"
+        np.testing.assert_array_equal(np.asarray(v), batch[k])
+    assert len({str(s.index) for s in out["inputs"].addressable_shards}) == 2

@@ -354,25 +354,15 @@ def make_train_iterator(cfg: DataConfig, *, process_index: int | None = None,
     return iter(ds)
 
 
-def batch_sharding(mesh, logical_axis: str = "activation_batch"):
-    """NamedSharding of a batch: its first axis over the mesh axes of ``logical_axis``."""
+def to_global_batch(batch: dict[str, np.ndarray], mesh, rules=None) -> dict[str, Any]:
+    """Host-local numpy batch -> global ``jax.Array``s (``make_array_from_process_local_data``),
+    sharded over ``activation_batch`` as the run's logical-axis ``rules`` map it (the
+    defaults of ``ode_lm.partitioning`` when None, so gin overrides reach the data too)."""
     import jax
 
-    from ode_lm.partitioning import LOGICAL_AXIS_RULES
+    from ode_lm import partitioning
 
-    target = dict(LOGICAL_AXIS_RULES).get(logical_axis)
-    axes = (target,) if isinstance(target, str) else tuple(target or ())
-    axes = tuple(a for a in axes if a in mesh.axis_names)
-    spec = jax.sharding.PartitionSpec(axes if axes else None)
-    return jax.sharding.NamedSharding(mesh, spec)
-
-
-def to_global_batch(batch: dict[str, np.ndarray], mesh,
-                    logical_axis: str = "activation_batch") -> dict[str, Any]:
-    """Host-local numpy batch -> global ``jax.Array``s (``make_array_from_process_local_data``)."""
-    import jax
-
-    sharding = batch_sharding(mesh, logical_axis)
+    sharding = partitioning.batch_sharding(
+        mesh, partitioning.LOGICAL_AXIS_RULES if rules is None else rules)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
             for k, v in batch.items()}
-

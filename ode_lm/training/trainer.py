@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import numpy as np
 
 from ode_lm import partitioning
 from ode_lm.models.config import ModelConfig
@@ -367,12 +366,11 @@ def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: i
 # ----------------------------------------------------------------- default data
 
 
-def _global_batches(host_batches, sharding):
+def _global_batches(host_batches, mesh, rules):
+    from ode_lm import data as data_lib
+
     for host_batch in host_batches:
-        yield {
-            k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-            for k, v in host_batch.items()
-        }
+        yield data_lib.to_global_batch(host_batch, mesh, rules)
 
 
 def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = None) -> dict:
@@ -399,7 +397,7 @@ def default_train_data(data_config: Any, mesh, rules, start_step: int):
 
     prepare_data_once(data_config)
     iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
-    return iterator, _global_batches(iterator, partitioning.batch_sharding(mesh, rules))
+    return iterator, _global_batches(iterator, mesh, rules)
 
 
 def default_eval_data(data_config: Any, mesh, rules):
@@ -407,7 +405,7 @@ def default_eval_data(data_config: Any, mesh, rules):
     from ode_lm import data as data_lib
 
     iterator = data_lib.make_eval_iterator(data_config)
-    return _global_batches(iterator, partitioning.batch_sharding(mesh, rules))
+    return _global_batches(iterator, mesh, rules)
 
 
 def check_vocab(model_config: ModelConfig, data_config: Any) -> None:
