@@ -38,13 +38,13 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     import optax
 
     from ode_lm import partitioning
-    from ode_lm.data import make_eval_iterator
+    from ode_lm.data import make_eval_iterator, to_global_batch
     from ode_lm.models.config import SOLVERS
     from ode_lm.training import checkpoint as ckpt_lib
     from ode_lm.training import gin_setup
     from ode_lm.training import state as state_lib
     from ode_lm.training import step as step_lib
-    from ode_lm.training.trainer import _global_batches, default_model_fn
+    from ode_lm.training.trainer import default_model_fn
 
     if solver is not None and solver not in SOLVERS:
         raise ValueError(f"--solver={solver!r}: expected one of {SOLVERS}")
@@ -60,13 +60,13 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     spec = state_lib.build_state_spec(default_model_fn(model_config), optax.identity(), mesh,
                                       rules)
     params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
-    sharding = partitioning.batch_sharding(mesh, rules)
     results: dict[str, float] = {"step": float(step)}
     for n in num_steps:
         eval_step = step_lib.make_eval_step(spec, n, solver)
         total, tokens = 0.0, 0.0
         with jax.set_mesh(mesh):
-            for batch in _global_batches(make_eval_iterator(data_config, split), sharding):
+            for host_batch in make_eval_iterator(data_config, split):
+                batch = to_global_batch(host_batch, mesh, rules)
                 s, c = eval_step(params, batch)
                 total, tokens = total + float(s), tokens + float(c)
         if tokens == 0:

@@ -168,16 +168,19 @@ def sharding_table(params: Any) -> tuple[str, int, int]:
     return "\n".join(lines), per_dev, total
 
 
-def check_param_bytes(per_device: int, total: int, mesh: Mesh, tolerance: float = 0.05) -> None:
-    """Fail when a device holds more than total / (fsdp x tensor) by over ``tolerance``.
+def check_param_annotations(params: Any) -> None:
+    """Fail on a parameter without logical-axis names (one per dimension).
 
-    A parameter whose logical axes were forgotten is replicated, which this catches.
+    Such a parameter is silently replicated on every device. Replication chosen through
+    the rules (logical names mapped to no mesh axis, like the norms' time MLPs) is fine:
+    it shows as ``P(None, ...)`` in the sharding table, a forgotten annotation as ``P()``.
     """
-    ways = mesh.shape["fsdp"] * mesh.shape["tensor"]
-    budget = total / ways
-    if per_device > budget * (1 + tolerance):
-        raise ValueError(
-            f"parameters take {per_device:,} bytes per device, more than total/(fsdp*tensor) = "
-            f"{budget:,.0f} + {tolerance:.0%}: some parameter is missing a logical-axis annotation "
-            "(see the sharding table above)"
-        )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        spec = getattr(getattr(leaf, "sharding", None), "spec", None)
+        if spec is not None and len(leaf.shape) and len(spec) != len(leaf.shape):
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            raise ValueError(
+                f"parameter {name!r} {tuple(leaf.shape)} has partition spec {spec}: it is "
+                "missing a logical-axis annotation (give it sharding_names, one logical axis "
+                "per dimension; see the sharding table above)"
+            )

@@ -53,12 +53,15 @@ def test_sharding_table_and_forgotten_annotation_check():
     mesh = pt.create_mesh((1, 4, 2))
     sharded = jax.ShapeDtypeStruct((64, 32), jnp.float32,
                                    sharding=NamedSharding(mesh, P("fsdp", "tensor")))
+    # Replicated by the rules (names mapped to no mesh axis), however large a share it is.
+    by_design = jax.ShapeDtypeStruct((640, 32), jnp.float32,
+                                     sharding=NamedSharding(mesh, P(None, None)))
     forgotten = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P()))
     table, per_device, total = pt.sharding_table({"w": sharded})
     assert "P('fsdp', 'tensor')" in table and per_device == 64 * 32 * 4 // 8
-    pt.check_param_bytes(per_device, total, mesh)
+    pt.check_param_annotations({"w": sharded, "norm": by_design})
     _, per_device, total = pt.sharding_table({"w": sharded, "v": forgotten})
     assert per_device == 64 * 32 * 4 // 8 + 64 * 32 * 4 and total == 2 * 64 * 32 * 4
-    with pytest.raises(ValueError, match="missing a logical-axis annotation"):
-        pt.check_param_bytes(per_device, total, mesh)
+    with pytest.raises(ValueError, match=r"parameter 'v' \(64, 32\) .*missing a logical-axis"):
+        pt.check_param_annotations({"w": sharded, "v": forgotten})
     assert pt.bytes_per_device(np.zeros((3, 5), np.float32)) == 60

@@ -40,7 +40,6 @@ class TrainConfig:
     eval_solver: str | None = None  # solver for the eval and the depth sweep (None: model's)
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
     cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
-    sharding_tolerance: float = 0.05
 
     def __post_init__(self):
         if self.num_train_steps < 1:
@@ -172,12 +171,10 @@ class Trainer:
         self.spec = state_lib.build_state_spec(
             model_fn or default_model_fn(model_config), tx, self.mesh, self.rules, trainable
         )
-        table, per_device, total = partitioning.sharding_table(self.spec.abstract_params)
+        table, _, _ = partitioning.sharding_table(self.spec.abstract_params)
         log.info("parameter sharding on mesh %s:\n%s", dict(self.mesh.shape), table)
         self.sharding_table = table
-        partitioning.check_param_bytes(
-            per_device, total, self.mesh, train_config.sharding_tolerance
-        )
+        partitioning.check_param_annotations(self.spec.abstract_params)
         self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
         if train_data is None:
             check_vocab(model_config, data_config)
