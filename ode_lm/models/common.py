@@ -231,7 +231,7 @@ def attention(q, k, v, mask):
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+    return jnp.einsum("bnts,bsnh->bnth", probs, v).transpose(0, 2, 1, 3)
 
 
 def default_inputs(tokens, positions, segment_ids):
