@@ -174,3 +174,40 @@ def test_profile_groups_find_weight_generation_and_optimizer_ops(repo_root):
     assert prof.category("jit(train_step)/transpose(jvp())/while/body/dot_general") == \
         "ODE/layer body bwd"
     assert prof.category("") == "other"
+
+
+@pytest.mark.timeout(600)
+def test_bench_checkpoint_smoke_tiny(repo_root, tmp_path):
+    """tools/bench_checkpoint.py on ``tiny``: every variant saves, costs CPU, cleans up."""
+    out = tmp_path / "ckpt.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, str(repo_root / "tools" / "bench_checkpoint.py"), "--config", "tiny",
+         "--saves", "1", "--rounds", "1", "--dir", str(tmp_path), "--json", str(out)],
+        cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["per_save"]) == {"trainer", "synchronous", "keep_all", "no_ocdbt", "zstd",
+                                       "raw"}
+    # the train state: params and two Adam moments, float32 (tiny: ~4.6 M params)
+    assert 3 * 4 * 4e6 < result["state_bytes"] < 3 * 4 * 6e6
+    for row in result["per_save"].values():
+        assert row["wall_s"] > 0 and row["cpu_s"] == pytest.approx(row["user_s"] + row["sys_s"])
+    assert list(tmp_path.iterdir()) == [out]  # every save directory is removed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variants", "trainer,nope"], "unknown 'nope'"),
+    (["--saves", "0"], "--saves=0"),
+    (["--dir", "/no/such/dir"], "--dir='/no/such/dir'"),
+])
+def test_bench_checkpoint_bad_flags(repo_root, capsys, argv, message):
+    spec = importlib.util.spec_from_file_location(
+        "bench_checkpoint", repo_root / "tools" / "bench_checkpoint.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.parse_args(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""What one checkpoint save costs, apart from training: wall time and the process's user and
+system CPU time (all threads, including orbax's and tensorstore's) per save of a bench
+config's full train state, for the trainer's ``Checkpointer`` and a few orbax variants,
+against a bare host copy + raw file write of the same bytes (the floor any writer pays).
+
+    python tools/bench_checkpoint.py --config cpu_small --json ckpt.json
+
+On a host whose cores the train step already keeps busy, this CPU time is what an async
+save takes away from training (``tools/bench.py --sections checkpoint`` measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+VARIANTS = ("trainer", "synchronous", "keep_all", "no_ocdbt", "zstd", "raw")
+DESCRIPTIONS = {
+    "trainer": "trainer Checkpointer: async, OCDBT, no compression, keep 2",
+    "synchronous": "same, enable_async_checkpointing=False",
+    "keep_all": "same, max_to_keep=None (no deletions)",
+    "no_ocdbt": "same handler with use_ocdbt=False",
+    "zstd": "same handler with use_compression=True (orbax default)",
+    "raw": "bare host copy + raw file write (lower bound)",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="cpu_small", help="a tools/bench.py config")
+    p.add_argument("--saves", type=int, default=6, help="timed saves per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds over all variants (median)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")
+    p.add_argument("--dir", default=None, help="where the saves go (a fresh temp dir inside)")
+    p.add_argument("--json", default=None, help="write the figures to this JSON file")
+    args = p.parse_args(argv)
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(args.variants) - set(VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
+    if args.saves < 1 or args.rounds < 1:
+        p.error(f"--saves={args.saves} / --rounds={args.rounds}: must be >= 1")
+    if args.dir and not os.path.isdir(args.dir):
+        p.error(f"--dir={args.dir!r} is not a directory")
+    return args
+
+
+def _orbax_saver(directory: str, variant: str) -> tuple[Callable[[int, Any], None], Callable]:
+    """(save(step, state) then wait, close) for one orbax variant."""
+    import orbax.checkpoint as ocp
+
+    from ode_lm.training import checkpoint as ckpt_lib
+
+    if variant in ("trainer", "synchronous", "keep_all"):
+        config = ckpt_lib.CheckpointConfig(
+            save_every=1, max_to_keep=None if variant == "keep_all" else 2,
+            async_save=variant != "synchronous")
+        ckpt = ckpt_lib.Checkpointer(directory, config)
+
+        def save(step, state):
+            ckpt.save(step, state, force=True)
+            ckpt.wait()
+
+        return save, ckpt.close
+    handler = ocp.PyTreeCheckpointHandler(
+        use_compression=variant == "zstd", use_ocdbt=variant != "no_ocdbt")
+    manager = ocp.CheckpointManager(
+        directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
+        item_handlers={"state": handler})
+
+    def save(step, state):
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)),
+                     force=True)
+        manager.wait_until_finished()
+
+    return save, manager.close
+
+
+def _raw_saver(directory: str) -> tuple[Callable[[int, Any], None], Callable]:
+    """Copy every leaf to host memory and write its bytes to one file per leaf."""
+    import jax
+    import numpy as np
+
+    def save(step, state):
+        path = os.path.join(directory, str(step))
+        os.makedirs(path)
+        for i, leaf in enumerate(jax.tree.leaves(state)):
+            host = np.array(leaf, copy=True)
+            with open(os.path.join(path, f"{i}.bin"), "wb") as f:
+                f.write(memoryview(host).cast("B"))
+        old = os.path.join(directory, str(step - 2))  # keep 2, like the trainer
+        if os.path.isdir(old):
+            shutil.rmtree(old)
+
+    return save, lambda: None
+
+
+def measure(state: Any, variant: str, saves: int, root: str | None) -> dict[str, float]:
+    """Per save (median over ``saves`` after one untimed save): wall, user, sys seconds."""
+    directory = tempfile.mkdtemp(prefix=f"bench_ckpt_{variant}_", dir=root)
+    save, close = _raw_saver(directory) if variant == "raw" else _orbax_saver(directory, variant)
+    rows = []
+    try:
+        save(0, state)
+        for step in range(1, saves + 1):
+            r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            save(step, state)
+            r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            rows.append((t1 - t0, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+    finally:
+        close()
+        shutil.rmtree(directory, ignore_errors=True)
+    wall, user, system = (statistics.median(r[i] for r in rows) for i in range(3))
+    return {"wall_s": wall, "user_s": user, "sys_s": system, "cpu_s": user + system}
+
+
+def build_state(config_name: str):
+    """The bench config's initialised train state (params + AdamW moments) on this host."""
+    import jax
+
+    from ode_lm import bench_utils as bu
+    from ode_lm import partitioning
+    from ode_lm.models import build_model
+    from ode_lm.training import state as state_lib
+    from ode_lm.training.optim import OptimizerConfig, make_optimizer
+
+    cfg = bu.get_config(config_name)
+    model_config = cfg.model_config("ode")
+    tx, _ = make_optimizer(OptimizerConfig(), 1000)
+    spec = state_lib.build_state_spec(lambda rngs: build_model(model_config, rngs), tx,
+                                      bu.make_mesh(jax.devices()), partitioning.axis_rules())
+    return state_lib.init_state(spec, 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    state = build_state(args.config)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    print(f"config {args.config}: train state {nbytes / 2**20:.1f} MiB in "
+          f"{len(jax.tree.leaves(state))} arrays; {args.rounds} rounds x {args.saves} saves; "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
+    per_round: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
+    for _ in range(args.rounds):  # round-robin, so drift of the host hits all variants alike
+        for variant in args.variants:
+            per_round[variant].append(measure(state, variant, args.saves, args.dir))
+    results = {v: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+               for v, rows in per_round.items()}
+    print(f"\n{'variant':<12} {'wall ms':>8} {'user ms':>8} {'sys ms':>8} {'CPU ms':>8}  what")
+    for v, r in results.items():
+        print(f"{v:<12} {r['wall_s'] * 1e3:8.0f} {r['user_s'] * 1e3:8.0f} "
+              f"{r['sys_s'] * 1e3:8.0f} {r['cpu_s'] * 1e3:8.0f}  {DESCRIPTIONS[v]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"config": args.config, "state_bytes": nbytes, "per_save": results,
+                       "rounds": per_round}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
