@@ -205,6 +205,15 @@ def make_mesh(devices: Sequence[jax.Device] | None = None):
     return partitioning.create_mesh((1, -1, 1), devices=devices)
 
 
+def bench_state_spec(model_config: ModelConfig, mesh) -> tuple[state_lib.StateSpec, Any]:
+    """(state spec, LR schedule) of the trainer's default AdamW for ``model_config`` on
+    ``mesh`` under the default rules: what every bench and tool here times or saves."""
+    tx, schedule = make_optimizer(OptimizerConfig(), 1000)
+    spec = state_lib.build_state_spec(lambda rngs: build_model(model_config, rngs), tx, mesh,
+                                      partitioning.axis_rules())
+    return spec, schedule
+
+
 class TrainBench:
     """One compiled train step of one model, its state and a fixed batch, timed per step.
 
@@ -230,9 +239,7 @@ class TrainBench:
         self.model_config = model_config
         step_config = step_config or step_lib.StepConfig()
         self.rules = partitioning.axis_rules()
-        tx, self.schedule = make_optimizer(OptimizerConfig(), 1000)
-        self.spec = state_lib.build_state_spec(
-            lambda rngs: build_model(model_config, rngs), tx, mesh, self.rules)
+        self.spec, self.schedule = bench_state_spec(model_config, mesh)
         abstract_batch = step_lib.abstract_batch(self.spec, bench.batch_size, bench.seq_len)
         jitted = step_lib.jit_train_step(self.spec, self.schedule, step_config)
         with jax.set_mesh(mesh):
@@ -248,12 +255,8 @@ class TrainBench:
         self.traced_flops = math.nan
         if count_flops:
             # Matmul FLOPs as traced (full attention matrices), without remat recomputation.
-            if model_config.remat != "none":
-                flops_spec = state_lib.build_state_spec(
-                    lambda rngs: build_model(model_config.replace(remat="none"), rngs), tx,
-                    mesh, self.rules)
-            else:
-                flops_spec = self.spec
+            flops_spec = self.spec if model_config.remat == "none" else bench_state_spec(
+                model_config.replace(remat="none"), mesh)[0]
             self.traced_flops = model_flops_per_step(flops_spec, self.schedule, step_config,
                                               abstract_batch)
         self.params = param_count(self.spec)

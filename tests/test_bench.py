@@ -17,12 +17,17 @@ import pytest
 from ode_lm import bench_utils as bu
 
 
-@pytest.fixture(scope="module")
-def bench_cli(repo_root):
-    spec = importlib.util.spec_from_file_location("bench_cli", repo_root / "tools" / "bench.py")
+def load_tool(repo_root, name: str):
+    """A script of tools/ as a module (tools/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, repo_root / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def bench_cli(repo_root):
+    return load_tool(repo_root, "bench")
 
 
 def test_dot_flops_counts_scan_bodies_and_gradients():
@@ -160,10 +165,7 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
 def test_profile_groups_find_weight_generation_and_optimizer_ops(repo_root):
     """tools/profile_step.py attributes ops by the compiled HLO's op_name metadata: the
     named scopes of weight generation and the optimizer must survive compilation."""
-    spec = importlib.util.spec_from_file_location(
-        "profile_step", repo_root / "tools" / "profile_step.py")
-    prof = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prof)
+    prof = load_tool(repo_root, "profile_step")
     cfg = bu.get_config("tiny")
     bench = bu.TrainBench("ode", cfg, cfg.model_config("ode"), bu.make_mesh(jax.devices()[:1]),
                           count_flops=False)
@@ -204,10 +206,6 @@ def test_bench_checkpoint_smoke_tiny(repo_root, tmp_path):
     (["--dir", "/no/such/dir"], "--dir='/no/such/dir'"),
 ])
 def test_bench_checkpoint_bad_flags(repo_root, capsys, argv, message):
-    spec = importlib.util.spec_from_file_location(
-        "bench_checkpoint", repo_root / "tools" / "bench_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     with pytest.raises(SystemExit) as e:
-        mod.parse_args(argv)
+        load_tool(repo_root, "bench_checkpoint").parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

@@ -128,16 +128,10 @@ def build_state(config_name: str):
     import jax
 
     from ode_lm import bench_utils as bu
-    from ode_lm import partitioning
-    from ode_lm.models import build_model
     from ode_lm.training import state as state_lib
-    from ode_lm.training.optim import OptimizerConfig, make_optimizer
 
-    cfg = bu.get_config(config_name)
-    model_config = cfg.model_config("ode")
-    tx, _ = make_optimizer(OptimizerConfig(), 1000)
-    spec = state_lib.build_state_spec(lambda rngs: build_model(model_config, rngs), tx,
-                                      bu.make_mesh(jax.devices()), partitioning.axis_rules())
+    model_config = bu.get_config(config_name).model_config("ode")
+    spec, _ = bu.bench_state_spec(model_config, bu.make_mesh(jax.devices()))
     return state_lib.init_state(spec, 0)
 
 

@@ -363,13 +363,6 @@ def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: i
 # ----------------------------------------------------------------- default data
 
 
-def _global_batches(host_batches, mesh, rules):
-    from ode_lm import data as data_lib
-
-    for host_batch in host_batches:
-        yield data_lib.to_global_batch(host_batch, mesh, rules)
-
-
 def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = None) -> dict:
     """``ensure_prepared`` for a multi-host job: process 0 prepares the (shared) DATA_DIR
     while the others wait at a barrier, so hosts never race to write the same shards; a
@@ -394,7 +387,7 @@ def default_train_data(data_config: Any, mesh, rules, start_step: int):
 
     prepare_data_once(data_config)
     iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
-    return iterator, _global_batches(iterator, mesh, rules)
+    return iterator, (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
 
 def default_eval_data(data_config: Any, mesh, rules):
@@ -402,7 +395,7 @@ def default_eval_data(data_config: Any, mesh, rules):
     from ode_lm import data as data_lib
 
     iterator = data_lib.make_eval_iterator(data_config)
-    return _global_batches(iterator, mesh, rules)
+    return (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
 
 def check_vocab(model_config: ModelConfig, data_config: Any) -> None:
