@@ -1,17 +1,21 @@
 """``python -m ode_lm.eval --model_dir=DIR [--num_steps=M[,M2...]] [--solver=rk4] [--step=S]``.
 
 Evaluates a saved run on its validation split: exact token-weighted loss and perplexity,
-at the trained number of ODE steps or any others (a depth sweep) with any solver. The data
+at the trained number of ODE steps or any others (a depth sweep) with any solver, or with an
+adaptive solver (``--solver=adaptive --rtol=1e-3``: Bogacki–Shampine 3(2), or ``dopri5``),
+which also reports the mean number of vector-field evaluations (NFE) per batch. The data
 and model settings come from ``MODEL_DIR/config.gin``; the mesh is all local devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ode_lm.train import one_line, setup_logging, user_errors
 
@@ -21,33 +25,64 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model_dir", required=True)
     p.add_argument("--num_steps", default=None,
                    help="ODE steps, comma-separated for a sweep (default: the model's)")
-    p.add_argument("--solver", default=None, help="euler | midpoint | rk4 (default: the model's)")
+    p.add_argument("--solver", default=None,
+                   help="euler | midpoint | rk4 | adaptive (bosh3) | dopri5 (default: the model's)")
+    p.add_argument("--rtol", type=float, default=None,
+                   help="adaptive solvers: relative tolerance (default: ModelConfig.rtol)")
+    p.add_argument("--atol", type=float, default=None,
+                   help="adaptive solvers: absolute tolerance (default: ModelConfig.atol)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--split", default="validation")
     return p.parse_args(argv)
 
 
-def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
-                 solver: str | None = None, step: int | None = None,
-                 split: str = "validation") -> dict[str, float]:
-    """{'eval/loss@steps=M': ..., 'eval/perplexity@steps=M': ...} for a saved run."""
-    import math
+@dataclasses.dataclass
+class EvalRun:
+    """A saved run ready to evaluate: its model config, data config, mesh, state spec and
+    parameters (restored once; the depth report evaluates many solvers on one of these)."""
 
+    model_dir: str
+    model_config: Any
+    data_config: Any
+    mesh: Any
+    rules: Any
+    spec: Any
+    params: Any
+    step: int
+
+    def model(self):
+        from flax import nnx
+
+        return nnx.merge(self.spec.graphdef, nnx.State(self.params), self.spec.rest)
+
+    def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
+                 rtol: float | None = None, atol: float | None = None,
+                 split: str = "validation"):
+        """``step.EvalResult`` (loss, tokens, mean NFE) over the whole split."""
+        import jax
+
+        from ode_lm.data import make_eval_iterator, to_global_batch
+        from ode_lm.training import step as step_lib
+
+        eval_step = step_lib.make_eval_step(self.spec, num_steps, solver, rtol=rtol, atol=atol)
+        with jax.set_mesh(self.mesh):
+            batches = (to_global_batch(b, self.mesh, self.rules)
+                       for b in make_eval_iterator(self.data_config, split))
+            return step_lib.run_eval(eval_step, self.params, batches,
+                                     what=f"split {split!r} of {self.data_config.data_dir}")
+
+
+def load_eval_run(model_dir: str, step: int | None = None) -> EvalRun:
+    """Model and data settings from MODEL_DIR, parameters restored onto all local devices."""
     import gin
-    import jax
     import optax
 
     from ode_lm import partitioning
-    from ode_lm.data import make_eval_iterator, to_global_batch
-    from ode_lm.models.config import SOLVERS
     from ode_lm.training import checkpoint as ckpt_lib
     from ode_lm.training import gin_setup
     from ode_lm.training import state as state_lib
-    from ode_lm.training import step as step_lib
     from ode_lm.training.trainer import default_model_fn
 
-    if solver is not None and solver not in SOLVERS:
-        raise ValueError(f"--solver={solver!r}: expected one of {SOLVERS}")
     gin_file = os.path.join(model_dir, "config.gin")
     if not os.path.exists(gin_file):
         raise FileNotFoundError(f"{gin_file} not found: is --model_dir a training run?")
@@ -60,21 +95,45 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     spec = state_lib.build_state_spec(default_model_fn(model_config), optax.identity(), mesh,
                                       rules)
     params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
-    results: dict[str, float] = {"step": float(step)}
-    for n in num_steps:
-        eval_step = step_lib.make_eval_step(spec, n, solver)
-        total, tokens = 0.0, 0.0
-        with jax.set_mesh(mesh):
-            for host_batch in make_eval_iterator(data_config, split):
-                batch = to_global_batch(host_batch, mesh, rules)
-                s, c = eval_step(params, batch)
-                total, tokens = total + float(s), tokens + float(c)
-        if tokens == 0:
-            raise ValueError(f"split {split!r} of {data_config.data_dir} has no tokens")
-        label = f"@steps={n or model_config.num_steps}"
-        results[f"eval/loss{label}"] = total / tokens
-        results[f"eval/perplexity{label}"] = math.exp(min(total / tokens, 80.0))
-        results["eval/tokens"] = tokens
+    return EvalRun(model_dir, model_config, data_config, mesh, rules, spec, params, step)
+
+
+def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None) -> None:
+    from ode_lm.models import solvers as solvers_lib
+
+    if solver is not None:
+        try:
+            solvers_lib.check_solver(solver, adaptive_ok=True)
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
+    if rtol is not None and not rtol > 0:
+        raise ValueError(f"--rtol={rtol}: must be > 0")
+    if atol is not None and not atol >= 0:
+        raise ValueError(f"--atol={atol}: must be >= 0")
+
+
+def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
+                 solver: str | None = None, step: int | None = None,
+                 split: str = "validation", rtol: float | None = None,
+                 atol: float | None = None) -> dict[str, float]:
+    """{'eval/loss@steps=M': ..., 'eval/perplexity@steps=M': ..., 'eval/nfe@steps=M'} for a
+    saved run; an adaptive solver gives the keys '...@<solver>:rtol=<rtol>' instead."""
+    from ode_lm.models import solvers as solvers_lib
+
+    check_solver_flags(solver, rtol, atol)
+    run = load_eval_run(model_dir, step)
+    adaptive = solvers_lib.is_adaptive(solver)
+    results: dict[str, float] = {"step": float(run.step)}
+    for n in ([None] if adaptive else num_steps):
+        res = run.evaluate(n, solver, rtol=rtol, atol=atol, split=split)
+        if adaptive:
+            label = f"@{solver}:rtol={rtol if rtol is not None else run.model_config.rtol:g}"
+        else:
+            label = f"@steps={n or run.model_config.num_steps}"
+        results[f"eval/loss{label}"] = res.loss
+        results[f"eval/perplexity{label}"] = res.perplexity
+        results[f"eval/nfe{label}"] = res.nfe
+        results["eval/tokens"] = res.tokens
     return results
 
 
@@ -85,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = [None] if not args.num_steps else [int(s) for s in args.num_steps.split(",")]
         if any(s is not None and s < 1 for s in steps):
             raise ValueError(f"--num_steps={args.num_steps}: every entry must be >= 1")
-        results = evaluate_run(args.model_dir, steps, args.solver, args.step, args.split)
+        results = evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
+                               args.rtol, args.atol)
     except user_errors() as e:
         if os.environ.get("ODE_LM_DEBUG"):
             raise

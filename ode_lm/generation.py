@@ -10,6 +10,12 @@ transformer. A materialised (discrete, parallel-block) model is the special case
 layers, S = 1, dt = 1 (its output projections already hold dt).
 
 All weights W(t_{k,s}) are generated once per ``generate`` call, outside the token loop.
+
+Adaptive solvers (``solver='adaptive'`` / ``'dopri5'``) recompute instead of caching: the
+controller picks its own evaluation times for every forward (they depend on the state), so
+earlier tokens' keys/values at the new times were never computed and a cache has nothing to
+reuse. Each new token runs the full forward over a fixed [B, P + max_new_tokens] buffer
+(causal attention keeps the unused tail out of earlier positions; one compile).
 Prompts are left-padded into one batch; padding keys are masked and positions count real
 tokens only, which is what the model sees for an unpadded prompt. The whole of ``generate``
 (prefill + decode loop) is one ``jax.jit``.
@@ -105,7 +111,7 @@ def solve_cached(config, weights, dt, solver, x, positions, index, cache, key_va
         w, ck, cv = xs  # w: [S, ...]; ck, cv: [S, B, T_max, H, Dh]
         cks, cvs = [], []
 
-        def f(state, s):
+        def f(state, _t, s):  # stage s: its pre-generated weights and its cache slot
             ws = jax.tree.map(lambda a: a[s], w)
             out, k_s, v_s = _vector_field(config, ws, state, positions, index, ck[s], cv[s],
                                           key_valid)
@@ -113,17 +119,8 @@ def solve_cached(config, weights, dt, solver, x, positions, index, cache, key_va
             cvs.append(v_s)
             return out
 
-        if solver == "euler":
-            x_new = x + dt * f(x, 0)
-        elif solver == "midpoint":
-            k1 = f(x, 0)
-            x_new = x + dt * f(x + dt / 2 * k1, 1)
-        else:
-            k1 = f(x, 0)
-            k2 = f(x + dt / 2 * k1, 1)
-            k3 = f(x + dt / 2 * k2, 2)
-            k4 = f(x + dt * k3, 3)
-            x_new = x + dt * ((k1 + 2 * k2 + 2 * k3 + k4) / 6)
+        x_new, _ = solvers.rk_step(f, x, None, dt, solvers.tableau(solver),
+                                   time_fn=lambda c: c)
         return x_new, (jnp.stack(cks), jnp.stack(cvs))
 
     x, (ck, cv) = jax.lax.scan(step, x, (weights, cache["k"], cache["v"]))
@@ -202,6 +199,31 @@ def _generate(graphdef, state, tokens, valid, key, *, max_new_tokens, num_steps,
     return out
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "graphdef", "max_new_tokens", "solver", "rtol", "atol", "temperature", "top_p",
+    "vocab_limit"))
+def _generate_recompute(graphdef, state, tokens, valid, key, *, max_new_tokens, solver, rtol,
+                        atol, temperature, top_p, vocab_limit):
+    """Decoding without a cache (adaptive solvers): one full forward per new token."""
+    model = nnx.merge(graphdef, state)
+    b, p = tokens.shape
+    buf = jnp.zeros((b, p + max_new_tokens), jnp.int32).at[:, :p].set(tokens)
+    real = jnp.ones((b, p + max_new_tokens), bool).at[:, :p].set(valid)
+    segment_ids = real.astype(jnp.int32)  # left padding = segment 0, never attended to
+    positions = jnp.maximum(jnp.cumsum(real, axis=1) - 1, 0).astype(jnp.int32)
+
+    def body(i, carry):
+        buf, key = carry
+        logits = model(buf, positions, segment_ids, solver=solver, rtol=rtol, atol=atol)
+        key, sub = jax.random.split(key)
+        last = jax.lax.dynamic_index_in_dim(logits, p + i - 1, axis=1, keepdims=False)
+        nxt = sample_token(last, sub, temperature, top_p, vocab_limit)
+        return jax.lax.dynamic_update_index_in_dim(buf, nxt, p + i, axis=1), key
+
+    buf, _ = jax.lax.fori_loop(0, max_new_tokens, body, (buf, key))
+    return buf[:, p:]
+
+
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]],
@@ -213,8 +235,11 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
     vocab_limit: int | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> np.ndarray:
-    """New tokens [B, max_new_tokens] for a batch of token-id prompts (KV-cached, jitted)."""
+    """New tokens [B, max_new_tokens] for a batch of token-id prompts (jitted; KV-cached for
+    fixed-grid solvers, recomputed for adaptive ones at ``rtol``/``atol``)."""
     check_num_steps(num_steps)
     if max_new_tokens <= 0:
         raise ValueError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
@@ -223,7 +248,7 @@ def generate(
     config = model.config
     num_steps = config.num_steps if num_steps is None else num_steps
     solver = config.solver if solver is None else solver
-    solvers.check_solver(solver)
+    solvers.check_solver(solver, adaptive_ok=True)
     tokens, valid = left_pad(prompts)
     if tokens.shape[1] + max_new_tokens > config.max_seq_len and config.flavour == "gpt2":
         raise ValueError(
@@ -231,6 +256,17 @@ def generate(
             f"positions (max_seq_len={config.max_seq_len})"
         )
     graphdef, state = nnx.split(model)
+    if solvers.is_adaptive(solver):
+        if config.architecture != "ode":
+            raise ValueError(f"--solver={solver}: adaptive solvers need an ODE model, not "
+                             f"architecture={config.architecture!r}")
+        out = _generate_recompute(
+            graphdef, state, jnp.asarray(tokens), jnp.asarray(valid), jax.random.key(seed),
+            max_new_tokens=max_new_tokens, solver=solver,
+            rtol=config.rtol if rtol is None else float(rtol),
+            atol=config.atol if atol is None else float(atol), temperature=float(temperature),
+            top_p=float(top_p), vocab_limit=vocab_limit)
+        return np.asarray(out)
     out = _generate(graphdef, state, jnp.asarray(tokens), jnp.asarray(valid),
                     jax.random.key(seed), max_new_tokens=max_new_tokens, num_steps=num_steps,
                     solver=solver, temperature=float(temperature), top_p=float(top_p),
@@ -239,7 +275,8 @@ def generate(
 
 
 def greedy_uncached(model: nnx.Module, prompt: Sequence[int], max_new_tokens: int, *,
-                    num_steps: int | None = None, solver: str | None = None) -> np.ndarray:
+                    num_steps: int | None = None, solver: str | None = None,
+                    rtol: float | None = None, atol: float | None = None) -> np.ndarray:
     """Reference decoding: the full forward over the whole sequence for every new token.
 
     The sequence lives in a fixed [1, P + max_new_tokens] buffer (causal attention makes the
@@ -251,7 +288,7 @@ def greedy_uncached(model: nnx.Module, prompt: Sequence[int], max_new_tokens: in
 
     @nnx.jit
     def fwd(m, tokens):
-        return m(tokens, num_steps=num_steps, solver=solver)[0]
+        return m(tokens, num_steps=num_steps, solver=solver, rtol=rtol, atol=atol)[0]
 
     for i in range(max_new_tokens):
         logits = fwd(model, jnp.asarray(buf))

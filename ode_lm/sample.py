@@ -21,7 +21,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--model_dir", required=True)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--num_steps", type=int, default=None, help="ODE solver steps M")
-    p.add_argument("--solver", default=None, help="euler | midpoint | rk4")
+    p.add_argument("--solver", default=None,
+                   help="euler | midpoint | rk4 (KV-cached) | adaptive | dopri5 (recomputed)")
+    p.add_argument("--rtol", type=float, default=None, help="adaptive solvers: rtol")
+    p.add_argument("--atol", type=float, default=None, help="adaptive solvers: atol")
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top_p", type=float, default=0.95)
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> list[str]:
     prompts = [[int(i) for i in tok.encode(p)] or [tok.eos_id] for p in args.prompt]
     kw = dict(max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, solver=args.solver,
               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-              vocab_limit=tok.vocab_size)
+              vocab_limit=tok.vocab_size, rtol=args.rtol, atol=args.atol)
     t0 = time.perf_counter()
     out = generate(model, prompts, **kw)
     first = time.perf_counter() - t0
@@ -70,7 +73,9 @@ def run(args: argparse.Namespace) -> list[str]:
         print("-" * 40)
     n = out.size
     steps = args.num_steps or config.num_steps
-    line = f"step {step} | M={steps} | {len(prompts)} prompts x {args.max_new_tokens} tokens | " \
+    depth = f"{args.solver} rtol={args.rtol or config.rtol:g}" if args.solver in (
+        "adaptive", "bosh3", "dopri5") else f"M={steps}"
+    line = f"step {step} | {depth} | {len(prompts)} prompts x {args.max_new_tokens} tokens | " \
            f"first call (compile + run) {first:.2f}s"
     if not args.no_timing:
         t0 = time.perf_counter()

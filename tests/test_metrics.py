@@ -26,12 +26,15 @@ def test_peak_table_covers_accelerators_and_cpu():
 
 def test_clu_window_average_and_last_value():
     w = None
-    for loss, lr in [(2.0, 0.1), (4.0, 0.2)]:
+    for loss, lr, n in [(2.0, 0.1, 4), (4.0, 0.2, 8)]:
         w = metrics.accumulate(w, dict(loss=loss, grad_norm=1.0, param_norm=3.0,
-                                       learning_rate=lr, skipped_steps=0))
+                                       learning_rate=lr, skipped_steps=0, num_steps=n,
+                                       kinetic_energy=loss / 10))
     values = w.compute()
     assert float(values["loss"]) == pytest.approx(3.0)
     assert float(values["learning_rate"]) == pytest.approx(0.2)
+    assert float(values["num_steps"]) == pytest.approx(6.0)  # mean N of the window
+    assert float(values["kinetic_energy"]) == pytest.approx(0.3)
 
 
 def test_tf_free_writer_event_files_read_back(tmp_path):

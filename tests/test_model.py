@@ -89,8 +89,8 @@ def test_bad_config_values(kw, msg):
 
 def test_bad_call_arguments():
     model = tiny_model("gpt2")
-    with pytest.raises(ValueError, match="solver='dopri5'"):
-        model(tokens(), solver="dopri5")
+    with pytest.raises(ValueError, match="solver='rk45'"):
+        model(tokens(), solver="rk45")
     with pytest.raises(ValueError, match="num_steps=0"):
         model(tokens(), num_steps=0)
     with pytest.raises(ValueError, match=r"tokens: expected shape \[B, T\]"):

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ode_lm.analysis.blas import single_threaded
+from ode_lm.models import solvers
 
 VectorField = Callable[[jax.Array, jax.Array], jax.Array]
 SOLVERS = ("euler", "midpoint", "rk4")
@@ -100,18 +101,12 @@ def tangent_step(q: np.ndarray, jacs: np.ndarray, dt: float, solver: str) -> np.
     ``q``: ``[T, d, k]``; ``jacs``: ``[S, T, d, d]`` stage Jacobians. Returns the new Q before
     re-orthonormalisation.
     """
-    if solver == "euler":
-        return q + dt * (jacs[0] @ q)
-    if solver == "midpoint":
-        qm = q + 0.5 * dt * (jacs[0] @ q)
-        return q + dt * (jacs[1] @ qm)
-    if solver == "rk4":
-        k1 = jacs[0] @ q
-        k2 = jacs[1] @ (q + 0.5 * dt * k1)
-        k3 = jacs[2] @ (q + 0.5 * dt * k2)
-        k4 = jacs[3] @ (q + dt * k3)
-        return q + dt / 6.0 * (k1 + 2 * k2 + 2 * k3 + k4)
-    raise ValueError(f"solver={solver!r}: expected one of {SOLVERS}")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r}: expected one of {SOLVERS}")
+    # the tangent ODE dq/dt = J(t)·q, stepped with the solver's own tableau
+    q_new, _ = solvers.rk_step(lambda y, _t, s: jacs[s] @ y, q, None, dt,
+                               solvers.tableau(solver), time_fn=lambda c: c)
+    return q_new
 
 
 def qr_positive(m: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,6 +14,7 @@ weight dict of vector_field.py) and applied with a ``lax.scan`` under the same r
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from ode_lm.models.common import (
@@ -91,9 +92,13 @@ class _DiscreteLM(nnx.Module):
         solver: str | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
-    ) -> jax.Array:
-        """Logits float32 [B, T, V]; ``num_steps``/``solver`` are ignored (discrete depth)."""
-        del num_steps, solver
+        return_stats: bool = False,
+        **solve_options,
+    ):
+        """Logits float32 [B, T, V]; ``num_steps``/``solver`` and the other solve options
+        (``max_steps``, ``rtol``, ``atol``) are ignored (discrete depth); ``return_stats``
+        adds ``{"nfe": num_layers}`` (one block evaluation per layer)."""
+        del num_steps, solver, solve_options
         cfg = self.config
         positions, segment_ids = default_inputs(tokens, positions, segment_ids)
         x = self.embeddings(tokens, positions)
@@ -113,6 +118,8 @@ class _DiscreteLM(nnx.Module):
 
         layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat))
         x, _ = jax.lax.scan(layer, x, (self.blocks.stacked(), keys))
+        if return_stats:
+            return self.logits(x), {"nfe": jnp.asarray(cfg.num_layers, jnp.int32)}
         return self.logits(x)
 
 

@@ -11,7 +11,9 @@ import dataclasses
 
 FLAVOURS = ("gpt2", "llama", "neox")
 ARCHITECTURES = ("ode", "sequential", "parallel")
-SOLVERS = ("euler", "midpoint", "rk4")
+SOLVERS = ("euler", "midpoint", "rk4")  # fixed grid: training and evaluation
+# embedded pairs with step-size control (evaluation, analysis, generation); adaptive = bosh3
+ADAPTIVE_SOLVERS = ("adaptive", "bosh3", "dopri5")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots_saveable")
 WEIGHT_GENERATION = ("auto", "in_scan", "precompute")
@@ -31,12 +33,19 @@ class ModelConfig:
     solver: str = "euler"
     time_embed_dim: int = 20  # D
     sinusoidal_dim: int = 128  # S -> time features of size 2S+1
+    # φ(t) frequencies time_scale·ω_k, ω_k = max_period^(−k/S): the paper's 1000 / 10⁴ give
+    # periods far below dt (W(t) is only defined on the training grid); a scale of a few
+    # radians makes W(t) smooth on [0, 1] (see configs/runs/depth_demo.gin).
     time_scale: float = 1000.0
+    time_max_period: float = 10000.0
     time_dependent: bool = True  # False: autonomous weight-shared ODE (ablation)
     # auto: precompute when the N·stages generated weight sets are no larger than the D
     # coefficient sets (N·stages <= D), else generate W(t) inside the scan step.
     weight_generation: str = "auto"
     random_grid_offset: bool = False
+    # adaptive solvers (evaluation / analysis / generation): default tolerances
+    rtol: float = 1e-3
+    atol: float = 1e-6
     # discrete baselines
     num_layers: int = 12
     # numerics
@@ -79,6 +88,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.rotary_fraction={self.rotary_fraction}: must be in (0, 1]"
             )
+        if not self.time_max_period > 1.0:
+            raise ValueError(f"ModelConfig.time_max_period={self.time_max_period}: must be > 1")
+        if not (self.rtol > 0 and self.atol >= 0):
+            raise ValueError(f"ModelConfig.rtol={self.rtol}, atol={self.atol}: need rtol > 0, "
+                             "atol >= 0")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"ModelConfig.dropout_rate={self.dropout_rate}: must be in [0, 1)")
 

@@ -72,21 +72,49 @@ class DiffEqFormer(nnx.Module):
         positions: jax.Array,
         segment_ids: jax.Array,
         *,
-        num_steps: int | None = None,
+        num_steps: int | jax.Array | None = None,
         solver: str | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
         return_trajectory: bool = False,
+        max_steps: int | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        return_stats: bool = False,
     ):
-        """x_N (and the trajectory) of the ODE started at x0 = embed(tokens)."""
+        """x_N (and the trajectory, and/or solver stats) of the ODE started at x0.
+
+        Fixed grid: ``num_steps`` is an int, or a traced int32 with a static ``max_steps``
+        bound (random step counts in training: one compiled program for every N).
+        Adaptive (``solver`` in ADAPTIVE_SOLVERS): W(t) is generated at whatever t the
+        controller picks; ``rtol``/``atol`` default to the config's. ``return_stats`` adds
+        ``{"nfe": vector-field evaluations, "kinetic_energy": ∫ mean(f²) dt}`` (fixed grid,
+        without a trajectory) to the result.
+        """
         cfg = self.config
-        num_steps = cfg.num_steps if num_steps is None else num_steps
         solver = cfg.solver if solver is None else solver
-        solvers.check_solver(solver)
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"DiffEqFormer: num_steps={num_steps!r} must be a positive int")
-        dt = 1.0 / num_steps
+        solvers.check_solver(solver, adaptive_ok=True)
         mask = attention_mask(segment_ids)
+        if solvers.is_adaptive(solver):
+            if return_trajectory:
+                raise ValueError(f"DiffEqFormer: solver={solver!r} has no fixed grid to return "
+                                 "as a trajectory; use a fixed-grid solver")
+
+            def field(x, t):
+                return parallel_residual(cfg, self.block.weights(t), x, positions, mask, None)
+
+            x, st = solvers.solve_adaptive(
+                field, x0, solver=solver, rtol=cfg.rtol if rtol is None else rtol,
+                atol=cfg.atol if atol is None else atol)
+            return (x, {"nfe": st.nfe}) if return_stats else x
+        num_steps = cfg.num_steps if num_steps is None else num_steps
+        dynamic = not isinstance(num_steps, int)
+        if dynamic and max_steps is None:
+            raise ValueError("DiffEqFormer: a traced num_steps needs a static max_steps")
+        if not dynamic and num_steps < 1:
+            raise ValueError(f"DiffEqFormer: num_steps={num_steps!r} must be a positive int")
+        length = max_steps if dynamic else num_steps
+        dt = 1.0 / (jnp.asarray(num_steps, jnp.float32) if dynamic else num_steps)
         needs_dropout = not deterministic and cfg.dropout_rate > 0
         needs_offset = not deterministic and cfg.random_grid_offset
         if (needs_dropout or needs_offset) and rngs is None:
@@ -97,12 +125,13 @@ class DiffEqFormer(nnx.Module):
             u = jax.random.uniform(rngs.dropout(), (), minval=0.0, maxval=dt)
             # Euler evaluates at t_{k+1} - u ∈ [t_k, t_{k+1}); RK stages shift by u - dt/2.
             offset = -u if solver == "euler" else u - dt / 2
-        keys = jax.random.split(rngs.dropout(), num_steps) if needs_dropout else None
+        keys = jax.random.split(rngs.dropout(), length) if needs_dropout else None
 
         step_inputs = {}
-        if precompute_weights(cfg, num_steps, solver):
+        if precompute_weights(cfg, length, solver):
             # W(t) for every stage of every step as one [N·stages, D] × [D, P] contraction.
-            times = solvers.evaluation_times(num_steps, solver) + offset
+            times = solvers.evaluation_times(num_steps, solver,
+                                             max_steps=length if dynamic else None) + offset
             step_inputs["w"] = jax.tree.map(lambda a: a.reshape(times.shape + a.shape[1:]),
                                             self.block.weights(times.reshape(-1)))
         if keys is not None:
@@ -114,11 +143,23 @@ class DiffEqFormer(nnx.Module):
             key = None if keys is None else jax.random.fold_in(inp["key"], stage)
             return parallel_residual(cfg, w, x, positions, mask, key)
 
-        return solvers.solve(
-            f, x0, num_steps=num_steps, solver=solver, time_offset=offset,
+        # With stats, the state is augmented (Finlay et al. 2020) by the kinetic energy
+        # e(t) = ∫ mean(f²) dt, integrated by the same solver at no extra evaluation.
+        kinetic = return_stats and not return_trajectory
+        field = (lambda s, t, *a: (lambda d: (d, jnp.mean(jnp.square(d))))(f(s[0], t, *a))
+                 ) if kinetic else f
+        state0 = (x0, jnp.zeros((), jnp.float32)) if kinetic else x0
+        out = solvers.solve(
+            field, state0, num_steps=num_steps, solver=solver, time_offset=offset,
             step_inputs=step_inputs or None, return_trajectory=return_trajectory,
-            remat=remat_policy(cfg.remat),
+            remat=remat_policy(cfg.remat), max_steps=length if dynamic else None,
         )
+        if not return_stats:
+            return out
+        stats = {"nfe": jnp.asarray(num_steps * solvers.num_stages(solver), jnp.int32)}
+        if kinetic:
+            out, stats["kinetic_energy"] = out
+        return out, stats
 
     def __call__(
         self,
@@ -126,16 +167,24 @@ class DiffEqFormer(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         *,
-        num_steps: int | None = None,
+        num_steps: int | jax.Array | None = None,
         solver: str | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
-    ) -> jax.Array:
+        max_steps: int | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+        return_stats: bool = False,
+    ):
+        """Logits float32 [B, T, V] (and ``{"nfe": ...}`` with ``return_stats``)."""
         positions, segment_ids = default_inputs(tokens, positions, segment_ids)
         x0 = self.embeddings(tokens, positions)
-        x = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
-                       deterministic=deterministic, rngs=rngs)
-        return self.logits(x)
+        out = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
+                         deterministic=deterministic, rngs=rngs, max_steps=max_steps,
+                         rtol=rtol, atol=atol, return_stats=return_stats)
+        if return_stats:
+            return self.logits(out[0]), out[1]
+        return self.logits(out)
 
     def trajectory(
         self,

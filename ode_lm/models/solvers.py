@@ -1,40 +1,88 @@
-"""Fixed-grid ODE solvers over [t0, t1] with N steps, as one ``jax.lax.scan``.
+"""ODE solvers over [t0, t1]: explicit Runge–Kutta methods given by their Butcher tableaus.
 
-Grid: t_k = t0 + k·dt, dt = (t1 − t0)/N.
+One RK step (``rk_step``) serves every caller: the fixed-grid ``solve`` (a ``lax.scan``),
+the adaptive ``solve_adaptive`` (a ``lax.while_loop``), the KV-cached generation and the
+Lyapunov tangent map. Adding a solver is one ``TABLEAUS`` entry.
+
+Fixed grid: t_k = t0 + k·dt, dt = (t1 − t0)/N.
 - ``euler`` (the paper): x_{k+1} = x_k + dt·f(x_k, t_{k+1}) — the vector field is evaluated
-  at the step's *end* time, exactly as the paper's code does.
-- ``midpoint`` (RK2): x_{k+1} = x_k + dt·f(x_k + dt/2·f(x_k, t_k), t_k + dt/2).
-- ``rk4``: classic Runge–Kutta 4.
-Midpoint and RK4 go beyond the paper (it names better solvers as future work).
+  at the step's *end* time, exactly as the paper's code does (the tableau's c₁ = 1).
+- ``midpoint`` (RK2) and ``rk4`` (classic Runge–Kutta 4).
+Adaptive (embedded pairs with an error estimate): ``bosh3`` (Bogacki–Shampine 3(2), alias
+``adaptive``) and ``dopri5`` (Dormand–Prince 5(4)), both first-same-as-last (FSAL).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from ode_lm.models.config import SOLVERS
+from ode_lm.models.config import ADAPTIVE_SOLVERS, SOLVERS
 
-# Evaluation times of each stage as a fraction of dt from t_k.
-STAGE_TIMES: dict[str, tuple[float, ...]] = {
-    "euler": (1.0,),
-    "midpoint": (0.0, 0.5),
-    "rk4": (0.0, 0.5, 0.5, 1.0),
+
+@dataclasses.dataclass(frozen=True)
+class Tableau:
+    """c: stage times as fractions of dt; a: the strictly lower-triangular stage
+    coefficients (row i has i entries); b: solution weights; b_low: the embedded
+    lower-order weights (adaptive pairs); order: order of b; fsal: last stage = f(x_new)."""
+
+    c: tuple[float, ...]
+    a: tuple[tuple[float, ...], ...]
+    b: tuple[float, ...]
+    order: int
+    b_low: tuple[float, ...] | None = None
+    fsal: bool = False
+
+    @property
+    def stages(self) -> int:
+        return len(self.c)
+
+
+TABLEAUS: dict[str, Tableau] = {
+    "euler": Tableau(c=(1.0,), a=((),), b=(1.0,), order=1),
+    "midpoint": Tableau(c=(0.0, 0.5), a=((), (0.5,)), b=(0.0, 1.0), order=2),
+    "rk4": Tableau(c=(0.0, 0.5, 0.5, 1.0), a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)),
+                   b=(1 / 6, 1 / 3, 1 / 3, 1 / 6), order=4),
+    "bosh3": Tableau(
+        c=(0.0, 0.5, 0.75, 1.0),
+        a=((), (0.5,), (0.0, 0.75), (2 / 9, 1 / 3, 4 / 9)),
+        b=(2 / 9, 1 / 3, 4 / 9, 0.0), b_low=(7 / 24, 1 / 4, 1 / 3, 1 / 8), order=3, fsal=True),
+    "dopri5": Tableau(
+        c=(0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0),
+        a=((), (1 / 5,), (3 / 40, 9 / 40), (44 / 45, -56 / 15, 32 / 9),
+           (19372 / 6561, -25360 / 2187, 64448 / 6561, -212 / 729),
+           (9017 / 3168, -355 / 33, 46732 / 5247, 49 / 176, -5103 / 18656),
+           (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84)),
+        b=(35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84, 0.0),
+        b_low=(5179 / 57600, 0.0, 7571 / 16695, 393 / 640, -92097 / 339200, 187 / 2100,
+               1 / 40),
+        order=5, fsal=True),
 }
+ALIASES = {"adaptive": "bosh3"}
+
+
+def tableau(solver: str) -> Tableau:
+    return TABLEAUS[ALIASES.get(solver, solver)]
 
 
 def num_stages(solver: str) -> int:
-    """Vector-field evaluations per step."""
+    """Vector-field evaluations per step (fixed-grid solvers)."""
     check_solver(solver)
-    return len(STAGE_TIMES[solver])
+    return tableau(solver).stages
 
 
-def check_solver(solver: str) -> None:
-    if solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r}: expected one of {SOLVERS}")
+def check_solver(solver: str, *, adaptive_ok: bool = False) -> None:
+    allowed = SOLVERS + (ADAPTIVE_SOLVERS if adaptive_ok else ())
+    if solver not in allowed:
+        raise ValueError(f"solver={solver!r}: expected one of {allowed}")
+
+
+def is_adaptive(solver: str | None) -> bool:
+    return solver in ADAPTIVE_SOLVERS
 
 
 def _TIME_DTYPE():
@@ -42,16 +90,45 @@ def _TIME_DTYPE():
     return jax.dtypes.canonicalize_dtype(jnp.float64)
 
 
-def _axpy(a, x, y):
-    """y + a·x over pytrees."""
-    return jax.tree.map(lambda xi, yi: (yi + a * xi).astype(yi.dtype), x, y)
+def _combine(x: Any, dt: Any, coeffs: tuple[float, ...], ks: list) -> Any:
+    """x + dt·Σ_j coeffs_j·k_j over pytrees, skipping zero coefficients (no wasted FLOPs).
+    Works for jax and numpy leaves alike (the Lyapunov tangent map is float64 numpy)."""
+    terms = [(c, k) for c, k in zip(coeffs, ks, strict=False) if c != 0.0]
+    if not terms:
+        return x
+
+    def leaf(xi, *ki):
+        acc = terms[0][0] * ki[0]
+        for (c, _), kk in zip(terms[1:], ki[1:], strict=True):
+            acc = acc + c * kk
+        return (xi + dt * acc).astype(xi.dtype)
+
+    return jax.tree.map(leaf, x, *[k for _, k in terms])
+
+
+def rk_step(f: Callable, x: Any, t: Any, dt: Any, tab: Tableau, k1: Any = None,
+            time_fn: Callable | None = None):
+    """One explicit RK step: returns (x_new, stage derivatives [k_1..k_s]).
+
+    ``f(x, t, stage)`` with the python int stage index (callers key per-stage weights or
+    KV-cache slots on it). ``k1``, when given, is f(x, t) already known (FSAL reuse).
+    ``time_fn(c)``, when given, is the stage time for fraction c (the fixed grid computes
+    t0 + (k + c)·dt, bit-identical to ``evaluation_times``); else t + c·dt."""
+    ks: list = []
+    for i in range(tab.stages):
+        if i == 0 and k1 is not None:
+            ks.append(k1)
+            continue
+        xi = _combine(x, dt, tab.a[i], ks)
+        ks.append(f(xi, time_fn(tab.c[i]) if time_fn else t + tab.c[i] * dt, i))
+    return _combine(x, dt, tab.b, ks), ks
 
 
 def solve(
     vector_field: Callable,
     x0: Any,
     *,
-    num_steps: int,
+    num_steps: int | jax.Array,
     solver: str = "euler",
     t0: float = 0.0,
     t1: float = 1.0,
@@ -60,49 +137,54 @@ def solve(
     return_trajectory: bool = False,
     remat: str | Callable | None = None,
     unroll: int = 1,
+    max_steps: int | None = None,
 ):
-    """Integrate dx/dt = f(x, t) from t0 to t1; returns x_N (and [N+1, ...] trajectory).
+    """Integrate dx/dt = f(x, t) from t0 to t1 on a fixed grid; returns x_N (and the
+    [N+1, ...] trajectory).
 
-    vector_field: ``(x, t) -> dx``; when ``step_inputs`` (a pytree with leading axis N) is
-      given it is called as ``(x, t, step_input_k, stage)`` with the python int stage index,
-      which lets callers feed precomputed weights or per-step dropout keys.
+    vector_field: ``(x, t) -> dx``; when ``step_inputs`` (a pytree with leading axis N, or
+      ``max_steps``) is given it is called as ``(x, t, step_input_k, stage)``, which lets
+      callers feed precomputed weights or per-step dropout keys.
+    num_steps: a python int, or a traced int32 scalar with a static ``max_steps`` bound: then
+      the scan runs ``max_steps`` iterations and steps k >= N are skipped by a ``lax.cond``
+      (one compiled program for every N ≤ max_steps: random step counts in training).
     time_offset: added to every evaluation time (the randomised grid offset).
     remat: None/'none' (no checkpoint), 'full', 'dots_saveable', or a jax checkpoint policy
       (callable) applied to each step.
     """
     check_solver(solver)
-    if not isinstance(num_steps, int) or num_steps < 1:
-        raise ValueError(f"solve: num_steps={num_steps!r} must be a positive int")
-    dt = (t1 - t0) / num_steps
-
-    def f(x, t, inp, stage):
-        return vector_field(x, t) if inp is None else vector_field(x, t, inp, stage)
+    dynamic = not isinstance(num_steps, int)
+    if dynamic:
+        if max_steps is None or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError("solve: a traced num_steps needs a static max_steps >= 1")
+        length = max_steps
+    else:
+        if num_steps < 1:
+            raise ValueError(f"solve: num_steps={num_steps!r} must be a positive int")
+        length = num_steps
+    tab = tableau(solver)
+    dt = (t1 - t0) / (jnp.asarray(num_steps, _TIME_DTYPE()) if dynamic else num_steps)
 
     def step(x, xs):
         k, inp = xs
-        tk = jnp.asarray(k, _TIME_DTYPE())
+        kf = jnp.asarray(k, _TIME_DTYPE())
 
         def time(c):
-            return t0 + (tk + c) * dt + time_offset
+            return t0 + (kf + c) * dt + time_offset
 
-        if solver == "euler":
-            x_new = _axpy(dt, f(x, time(1.0), inp, 0), x)
-        elif solver == "midpoint":
-            k1 = f(x, time(0.0), inp, 0)
-            x_new = _axpy(dt, f(_axpy(dt / 2, k1, x), time(0.5), inp, 1), x)
-        else:
-            k1 = f(x, time(0.0), inp, 0)
-            k2 = f(_axpy(dt / 2, k1, x), time(0.5), inp, 1)
-            k3 = f(_axpy(dt / 2, k2, x), time(0.5), inp, 2)
-            k4 = f(_axpy(dt, k3, x), time(1.0), inp, 3)
-            incr = jax.tree.map(lambda a, b, c, d: (a + 2 * b + 2 * c + d) / 6, k1, k2, k3, k4)
-            x_new = _axpy(dt, incr, x)
+        def f(y, t, stage):
+            return vector_field(y, t) if inp is None else vector_field(y, t, inp, stage)
+
+        def advance(y):
+            return rk_step(f, y, None, dt, tab, time_fn=time)[0]
+
+        x_new = jax.lax.cond(k < num_steps, advance, lambda y: y, x) if dynamic else advance(x)
         return x_new, (x_new if return_trajectory else None)
 
     policy = _policy(remat)
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
-    ks = jnp.arange(num_steps, dtype=jnp.int32)
+    ks = jnp.arange(length, dtype=jnp.int32)
     x_final, traj = jax.lax.scan(step, x0, (ks, step_inputs), unroll=unroll)
     if not return_trajectory:
         return x_final
@@ -122,9 +204,116 @@ def _policy(remat):
     raise ValueError(f"solve: remat={remat!r}: expected none | full | dots_saveable or a policy")
 
 
-def evaluation_times(num_steps: int, solver: str, t0: float = 0.0, t1: float = 1.0):
-    """[N, stages] float32 times at which ``solve`` evaluates f (without a time offset)."""
-    dt = (t1 - t0) / num_steps
-    k = jnp.arange(num_steps, dtype=jnp.float32)[:, None]
-    c = jnp.asarray(STAGE_TIMES[solver], jnp.float32)[None, :]
+def evaluation_times(num_steps: int | jax.Array, solver: str, t0: float = 0.0,
+                     t1: float = 1.0, max_steps: int | None = None):
+    """[N, stages] float32 times at which ``solve`` evaluates f (without a time offset);
+    [max_steps, stages] for a traced N (rows k >= N lie past t1 and are never used)."""
+    length = num_steps if max_steps is None else max_steps
+    dt = (t1 - t0) / jnp.asarray(num_steps, jnp.float32)
+    k = jnp.arange(length, dtype=jnp.float32)[:, None]
+    c = jnp.asarray(tableau(solver).c, jnp.float32)[None, :]
     return t0 + (k + c) * dt
+
+
+class AdaptiveStats(NamedTuple):
+    """What an adaptive solve cost: vector-field evaluations, accepted / rejected steps."""
+
+    nfe: jax.Array
+    accepted: jax.Array
+    rejected: jax.Array
+
+
+def _rms(tree: Any) -> jax.Array:
+    leaves = jax.tree.leaves(tree)
+    total = sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves)
+    return jnp.sqrt(total / sum(x.size for x in leaves))
+
+
+def solve_adaptive(
+    vector_field: Callable,
+    x0: Any,
+    *,
+    solver: str = "bosh3",
+    rtol: float = 1e-3,
+    atol: float = 1e-6,
+    t0: float = 0.0,
+    t1: float = 1.0,
+    first_step: float | None = None,
+    max_steps: int = 256,
+    safety: float = 0.9,
+    min_factor: float = 0.2,
+    max_factor: float = 10.0,
+) -> tuple[Any, AdaptiveStats]:
+    """Integrate dx/dt = f(x, t) with an embedded RK pair and step-size control.
+
+    ``f(x, t)`` is called at whatever t the controller asks for (the DiffEqFormer generates
+    W(t) there). The error norm is the RMS over the *whole* state of
+    err / (atol + rtol·max(|x|, |x_new|)) (Hairer, Nørsett & Wanner II.4), so one step size
+    serves the batch: attention couples the tokens of a sequence at equal t anyway. A step is
+    accepted when the norm is ≤ 1; the next h = h·clip(safety·norm^(−1/(q+1)), min, max)
+    with q the embedded order. The first step follows Hairer's rule (two extra evaluations)
+    unless ``first_step`` is given. ``lax.while_loop``: forward only (evaluation, analysis,
+    generation), not differentiable. Stops after ``max_steps`` attempted steps, returning the
+    state at the time reached (the stats show it; ``nfe`` counts every evaluation).
+    """
+    check_solver(solver, adaptive_ok=True)
+    tab = tableau(solver)
+    if tab.b_low is None or not tab.fsal:
+        raise ValueError(f"solve_adaptive: solver={solver!r} is not an embedded FSAL pair")
+    if not (rtol > 0 and atol >= 0):
+        raise ValueError(f"solve_adaptive: rtol={rtol} must be > 0 and atol={atol} >= 0")
+    tdt = jnp.float32
+    exponent = -1.0 / tab.order  # embedded order q = order - 1 -> -1/(q + 1)
+    err_coeffs = tuple(b - bl for b, bl in zip(tab.b, tab.b_low, strict=True))
+
+    def f(x, t, stage=0):
+        return vector_field(x, t)
+
+    def scaled_norm(v, x_a, x_b):
+        return _rms(jax.tree.map(
+            lambda vi, a, b: vi / (atol + rtol * jnp.maximum(jnp.abs(a), jnp.abs(b))),
+            v, x_a, x_b))
+
+    f0 = f(x0, jnp.asarray(t0, tdt))
+    nfe0 = 1
+    if first_step is None:
+        d0, d1 = scaled_norm(x0, x0, x0), scaled_norm(f0, x0, x0)
+        h0 = jnp.where((d0 < 1e-5) | (d1 < 1e-5), 1e-6, 0.01 * d0 / d1)
+        h0 = jnp.minimum(h0, t1 - t0)
+        x1 = jax.tree.map(lambda a, b: a + h0 * b, x0, f0)
+        f1 = f(x1, t0 + h0)
+        d2 = scaled_norm(jax.tree.map(jnp.subtract, f1, f0), x0, x0) / h0
+        dmax = jnp.maximum(d1, d2)
+        h1 = jnp.where(dmax <= 1e-15, jnp.maximum(1e-6, h0 * 1e-3),
+                       (0.01 / jnp.maximum(dmax, 1e-15)) ** (1.0 / tab.order))
+        h = jnp.minimum(100 * h0, h1)
+        nfe0 += 1
+    else:
+        h = jnp.asarray(first_step, tdt)
+    h = jnp.clip(h, 1e-6, t1 - t0).astype(tdt)
+
+    def cond(carry):
+        t, _, _, _, _, acc, rej = carry
+        return (t < t1) & (acc + rej < max_steps)
+
+    def body(carry):
+        t, h, x, k1, nfe, acc, rej = carry
+        last = h >= t1 - t
+        h_try = jnp.where(last, t1 - t, h)
+        x_new, ks = rk_step(f, x, t, h_try, tab, k1=k1)
+        err = _combine(jax.tree.map(jnp.zeros_like, x), h_try, err_coeffs, ks)
+        norm = scaled_norm(err, x, x_new)
+        ok = norm <= 1.0
+        factor = jnp.where(norm == 0, max_factor,
+                           safety * jnp.maximum(norm, 1e-10) ** exponent)
+        factor = jnp.clip(factor, min_factor, jnp.where(ok, max_factor, 1.0))
+        pick = lambda a, b: jax.tree.map(lambda u, v: jnp.where(ok, u, v), a, b)
+        t_new = jnp.where(ok, jnp.where(last, jnp.asarray(t1, tdt), t + h_try), t)
+        # FSAL: the last stage is f(x_new, t + h), the next step's first stage.
+        return (t_new, (h_try * factor).astype(tdt), pick(x_new, x), pick(ks[-1], k1),
+                nfe + tab.stages - 1, acc + ok.astype(jnp.int32), rej + (~ok).astype(jnp.int32))
+
+    zero = jnp.zeros((), jnp.int32)
+    carry = (jnp.asarray(t0, tdt), h, x0, f0, zero + nfe0, zero, zero)
+    t, _, x, _, nfe, acc, rej = jax.lax.while_loop(cond, body, carry)
+    return x, AdaptiveStats(nfe=nfe, accepted=acc, rejected=rej)

@@ -29,7 +29,8 @@ def sinusoidal_features(
 
 
 def time_features(config: ModelConfig, t: jax.Array | float) -> jax.Array:
-    return sinusoidal_features(t, config.sinusoidal_dim, config.time_scale)
+    return sinusoidal_features(t, config.sinusoidal_dim, config.time_scale,
+                               config.time_max_period)
 
 
 class TimeMLP(nnx.Module):

@@ -72,8 +72,11 @@ TrainMetrics = clu_metrics.Collection.create(
     param_norm=clu_metrics.LastValue.from_output("param_norm"),
     learning_rate=clu_metrics.LastValue.from_output("learning_rate"),
     skipped_steps=clu_metrics.LastValue.from_output("skipped_steps"),
+    num_steps=clu_metrics.Average.from_output("num_steps"),
+    kinetic_energy=clu_metrics.Average.from_output("kinetic_energy"),
 )
-TRAIN_METRIC_KEYS = ("loss", "grad_norm", "param_norm", "learning_rate", "skipped_steps")
+TRAIN_METRIC_KEYS = ("loss", "grad_norm", "param_norm", "learning_rate", "skipped_steps",
+                     "num_steps", "kinetic_energy")
 
 
 def accumulate(window: Any, outputs: Mapping[str, Any]) -> Any:

@@ -30,10 +30,31 @@ class StepConfig:
 
     microbatches: int = 1  # gradient accumulation
     num_steps: int | None = None  # ODE steps for training (None = the model's default)
+    # Depth-robust training: each step draws its N uniformly from this set (seeded by the
+    # state's rng and the step, so resume is exact). One compiled program serves all N: the
+    # solve scans max(set) steps and skips those past N (memory as for max(set) steps).
+    num_steps_choices: tuple[int, ...] = ()
     solver: str | None = None
+    # Kinetic-energy regulariser λ·∫ mean‖f(x, t)‖² dt ("How to train your Neural ODE",
+    # Finlay et al. 2020): straighter trajectories that any solver integrates alike.
+    kinetic_energy_weight: float = 0.0
     # Stochastic forward (dropout, random grid offset) with a per-step RNG; None: on when
     # the model config asks for dropout or a random grid offset.
     dropout: bool | None = None
+
+    def __post_init__(self):
+        if self.microbatches < 1:
+            raise ValueError(f"StepConfig.microbatches={self.microbatches}: must be >= 1")
+        choices = tuple(self.num_steps_choices)
+        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in choices):
+            raise ValueError(f"StepConfig.num_steps_choices={self.num_steps_choices!r}: "
+                             "expected positive ints")
+        if not self.kinetic_energy_weight >= 0:
+            raise ValueError(f"StepConfig.kinetic_energy_weight={self.kinetic_energy_weight}:"
+                             " must be >= 0")
+        if choices and self.num_steps is not None:
+            raise ValueError("StepConfig: set num_steps or num_steps_choices, not both")
+        object.__setattr__(self, "num_steps_choices", choices)
 
 
 def token_loss_sums(
@@ -44,8 +65,18 @@ def token_loss_sums(
     num_steps: int | None = None,
     solver: str | None = None,
     dropout_key: jax.Array | None = None,
+    **solve_options,
 ) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked next-token cross-entropy, number of counted tokens) for one batch."""
+    """(sum of masked next-token cross-entropy, number of counted tokens) for one batch.
+
+    ``solve_options`` go to the model's forward (``max_steps`` for a traced ``num_steps``,
+    ``rtol``/``atol`` for an adaptive solver)."""
+    return _token_loss(spec, params, batch, num_steps=num_steps, solver=solver,
+                       dropout_key=dropout_key, **solve_options)[:2]
+
+
+def _token_loss(spec, params, batch, *, num_steps, solver, dropout_key, **solve_options):
+    """(loss sum, token count, solver stats) — ``token_loss_sums`` plus the NFE."""
     model = spec.model(params)
     rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
     # The rules make the model's logical activation constraints (activation_batch, ...)
@@ -60,12 +91,15 @@ def token_loss_sums(
             solver=solver,
             deterministic=dropout_key is None,
             rngs=rngs,
+            return_stats=True,
+            **solve_options,
         )
+    logits, stats = logits
     ce = optax.softmax_cross_entropy_with_integer_labels(
         logits.astype(jnp.float32), batch["targets"]
     )
     mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask)
+    return jnp.sum(ce * mask), jnp.sum(mask), stats
 
 
 def _split_microbatches(batch: Batch, k: int, spec: StateSpec) -> Batch:
@@ -88,34 +122,52 @@ def make_train_step(
 ) -> Callable[[dict, Batch], tuple[dict, dict]]:
     """state, batch -> new state, metrics. A NaN/Inf loss or gradient skips the update."""
     k = config.microbatches
+    choices = config.num_steps_choices
 
     def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
         params = state["params"]
         step = state["step"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        if choices:  # this step's N, from its own stream (microbatch keys fold in 0..k-1)
+            pick = jax.random.randint(jax.random.fold_in(key, _NUM_STEPS_STREAM), (), 0,
+                                      len(choices))
+            num_steps = jnp.asarray(choices, jnp.int32)[pick]
+            solve_options = {"max_steps": max(choices)}
+        else:
+            num_steps, solve_options = config.num_steps, {}
 
         def loss_fn(p, mb, mb_key):
-            total, _ = token_loss_sums(
-                spec, p, mb, num_steps=config.num_steps, solver=config.solver,
-                dropout_key=mb_key if config.dropout else None,
+            total, _, stats = _token_loss(
+                spec, p, mb, num_steps=num_steps, solver=config.solver,
+                dropout_key=mb_key if config.dropout else None, **solve_options,
             )
-            return total / num_tokens
+            energy = stats.get("kinetic_energy", jnp.zeros(()))
+            stats = {**stats, "kinetic_energy": energy}
+            # the data loss alone is the reported loss; the regulariser is its own metric
+            return total / num_tokens + config.kinetic_energy_weight * energy / k, stats
 
-        grad_fn = jax.value_and_grad(loss_fn)
+        def loss_and_data_loss(p, mb, mb_key):
+            objective, stats = loss_fn(p, mb, mb_key)
+            return objective, (stats, objective - config.kinetic_energy_weight
+                               * stats["kinetic_energy"] / k)
+
+        grad_fn = jax.value_and_grad(loss_and_data_loss, has_aux=True)
         if k == 1:
-            loss, grads = grad_fn(params, batch, key)
+            (_, (stats, loss)), grads = grad_fn(params, batch, key)
         else:
             micro = _split_microbatches(batch, k, spec)
 
             def body(carry, xs):
                 loss_acc, grad_acc = carry
                 mb, i = xs
-                loss_i, g = grad_fn(params, mb, jax.random.fold_in(key, i))
-                return (loss_acc + loss_i, jax.tree.map(jnp.add, grad_acc, g)), None
+                (_, (stats_i, loss_i)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+                return (loss_acc + loss_i, jax.tree.map(jnp.add, grad_acc, g)), stats_i
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads), _ = jax.lax.scan(body, (jnp.zeros(()), zeros), (micro, jnp.arange(k)))
+            (loss, grads), stats = jax.lax.scan(body, (jnp.zeros(()), zeros),
+                                                (micro, jnp.arange(k)))
+            stats = {"nfe": stats["nfe"][0], "kinetic_energy": jnp.mean(stats["kinetic_energy"])}
 
         with jax.named_scope("optimizer"):  # names the update's ops in profiles
             grad_norm = optax.tree.norm(grads)
@@ -140,10 +192,28 @@ def make_train_step(
             "skipped_steps": new_state["skipped"],
             "bad_streak": new_state["bad_streak"],
             "tokens": jnp.sum(batch["loss_mask"]),
+            # solver steps of this step (N; the layer count for discrete baselines), as
+            # vector-field evaluations / stages
+            "num_steps": _steps_metric(spec, params, num_steps, config.solver, stats),
+            "kinetic_energy": stats["kinetic_energy"],
         }
         return new_state, metrics
 
     return train_step
+
+
+_NUM_STEPS_STREAM = 0x4E535445  # fold_in id of the N draw ("NSTE"), apart from microbatches
+
+
+def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, solver: str | None,
+                  stats: dict) -> jax.Array:
+    """N of the step as a float: the drawn/configured N, else the model's default."""
+    if num_steps is not None:
+        return jnp.asarray(num_steps, jnp.float32)
+    cfg = getattr(spec.model(params), "config", None)
+    if cfg is not None and cfg.architecture == "ode":
+        return jnp.asarray(cfg.num_steps, jnp.float32)
+    return jnp.asarray(stats["nfe"], jnp.float32)
 
 
 def jit_train_step(
@@ -169,15 +239,46 @@ def abstract_batch(spec: StateSpec, batch_size: int, seq_len: int, batch_keys=BA
     }
 
 
-def make_eval_step(spec: StateSpec, num_steps: int | None = None, solver: str | None = None):
-    """params, batch -> (loss sum, token count): exact token-weighted sums, no averaging."""
+def make_eval_step(spec: StateSpec, num_steps: int | None = None, solver: str | None = None,
+                   *, rtol: float | None = None, atol: float | None = None):
+    """params, batch -> (loss sum, token count, NFE): exact token-weighted sums, no
+    averaging; NFE = vector-field evaluations of the batch's solve (adaptive: as chosen by
+    the step-size controller at ``rtol``/``atol``; fixed grid: N·stages)."""
+    options = {k: v for k, v in (("rtol", rtol), ("atol", atol)) if v is not None}
 
     def eval_step(params, batch):
-        return token_loss_sums(spec, params, batch, num_steps=num_steps, solver=solver)
+        total, count, stats = _token_loss(spec, params, batch, num_steps=num_steps,
+                                          solver=solver, dropout_key=None, **options)
+        return total, count, jnp.asarray(stats["nfe"], jnp.float32)
 
     replicated = NamedSharding(spec.mesh, P())
     return jax.jit(
         eval_step,
         in_shardings=(spec.shardings["params"], batch_sharding(spec.mesh, spec.rules)),
-        out_shardings=(replicated, replicated),
+        out_shardings=(replicated, replicated, replicated),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalResult:
+    loss: float  # token-weighted mean cross-entropy (nats)
+    tokens: float
+    nfe: float  # mean vector-field evaluations per batch
+
+    @property
+    def perplexity(self) -> float:
+        import math
+
+        return math.exp(min(self.loss, 80.0))
+
+
+def run_eval(eval_step: Callable, params: Any, batches: Any,
+             what: str = "the eval pipeline") -> EvalResult:
+    """The one token-weighted eval loop (trainer, ``ode_lm.eval``, the depth report)."""
+    total, tokens, nfe, count = 0.0, 0.0, 0.0, 0
+    for batch in batches:
+        s, n, e = eval_step(params, batch)
+        total, tokens, nfe, count = total + float(s), tokens + float(n), nfe + float(e), count + 1
+    if tokens == 0:
+        raise ValueError(f"{what} produced no counted tokens")
+    return EvalResult(loss=total / tokens, tokens=tokens, nfe=nfe / count)

@@ -201,21 +201,14 @@ class Trainer:
         for num_steps in (None, *self.cfg.eval_num_steps):
             if num_steps not in self._eval_steps:
                 self._eval_steps[num_steps] = step_lib.make_eval_step(self.spec, num_steps, solver)
-            eval_step = self._eval_steps[num_steps]
-            loss_sum, tokens = 0.0, 0.0
             with jax.set_mesh(self.mesh):
-                for batch in self.eval_data(self.data_config, self.mesh, self.rules):
-                    s, n = eval_step(params, batch)
-                    loss_sum += float(s)
-                    tokens += float(n)
-            if tokens == 0:
-                raise ValueError("the eval pipeline produced no counted tokens")
-            loss = loss_sum / tokens
+                res = step_lib.run_eval(self._eval_steps[num_steps], params,
+                                        self.eval_data(self.data_config, self.mesh, self.rules))
             suffix = "" if num_steps is None else f"@steps={num_steps}"
-            results[f"eval/loss{suffix}"] = loss
-            results[f"eval/perplexity{suffix}"] = math.exp(min(loss, 80.0))
+            results[f"eval/loss{suffix}"] = res.loss
+            results[f"eval/perplexity{suffix}"] = res.perplexity
             if num_steps is None:
-                results["eval/tokens"] = tokens
+                results["eval/tokens"] = res.tokens
         return results
 
     # -------------------------------------------------------------------- loop

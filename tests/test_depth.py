@@ -1,0 +1,225 @@
+"""Continuous depth: the adaptive solver, random step counts, the kinetic-energy regulariser,
+the W(t) smoothness figure, adaptive generation and tools/depth_report.py end to end."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from ode_lm import partitioning
+from ode_lm.models import ModelConfig, build_model, solvers
+from ode_lm.training import state as state_lib
+from ode_lm.training import step as step_lib
+
+
+def known_field(x, t):
+    """dx/dt = 5·cos(5t)·x, solved by x(t) = x₀·exp(sin 5t): non-autonomous, known."""
+    return 5.0 * jnp.cos(5.0 * t) * x
+
+
+def known_solution(x0, t):
+    return x0 * np.exp(np.sin(5.0 * t))
+
+
+@pytest.mark.parametrize("solver", ["adaptive", "dopri5"])
+def test_adaptive_reaches_its_tolerance_and_nfe_falls_with_rtol(solver):
+    """float64, so the error is the solver's: global error ≤ 10·rtol (local control
+    accumulates over the steps; 10× covers it for these smooth fields)."""
+    with jax.enable_x64(True):
+        x0 = jnp.asarray([0.5, -1.0, 2.0], jnp.float64)
+        truth = known_solution(np.asarray(x0), 1.0)
+        nfes = []
+        for rtol in (1e-6, 1e-4, 1e-2):
+            x, stats = jax.jit(lambda y, r=rtol: solvers.solve_adaptive(
+                known_field, y, solver=solver, rtol=r, atol=r * 1e-3))(x0)
+            err = np.max(np.abs(np.asarray(x) - truth) / np.abs(truth))
+            assert err <= 10 * rtol, (rtol, err)
+            assert int(stats.accepted) >= 1 and int(stats.nfe) > 0
+            nfes.append(int(stats.nfe))
+    assert nfes[0] > nfes[1] > nfes[2], nfes
+
+
+def test_adaptive_bad_tolerances_and_solver():
+    with pytest.raises(ValueError, match="rtol=0"):
+        solvers.solve_adaptive(known_field, jnp.ones(2), rtol=0.0)
+    with pytest.raises(ValueError, match="solver='rk4'"):
+        solvers.solve_adaptive(known_field, jnp.ones(2), solver="rk4")
+
+
+@pytest.mark.parametrize("solver", ["euler", "midpoint", "rk4"])
+def test_traced_num_steps_matches_static(solver):
+    """One program for every N ≤ max_steps gives the static N-step solve (same ops)."""
+    x0 = jnp.linspace(-1.0, 1.0, 4)
+    fn = jax.jit(lambda n: solvers.solve(known_field, x0, num_steps=n, solver=solver,
+                                         max_steps=7))
+    for n in (1, 3, 7):
+        static = solvers.solve(known_field, x0, num_steps=n, solver=solver)
+        np.testing.assert_allclose(fn(jnp.int32(n)), static, rtol=1e-6, atol=1e-7)
+
+
+def tiny_config(**kw) -> ModelConfig:
+    base = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=16, num_steps=3,
+                sinusoidal_dim=8, time_embed_dim=4, init_std=0.2)
+    return ModelConfig(**{**base, **kw})
+
+
+def test_model_traced_steps_and_kinetic_energy():
+    model = build_model(tiny_config(), nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+    static = model(tokens, num_steps=3)
+    traced = nnx.jit(lambda m, n: m(tokens, num_steps=n, max_steps=5))(model, jnp.int32(3))
+    # precompute generates 3 vs 5 weight sets (another contraction shape): float32 sums
+    np.testing.assert_allclose(traced, static, rtol=1e-5, atol=1e-5)
+    # kinetic energy = Σ_k dt·mean(f(x_k, t_{k+1})²) along the Euler trajectory
+    _, stats = model(tokens, num_steps=3, return_stats=True)
+    traj = model.trajectory(tokens, num_steps=3)
+    expected = sum(float(jnp.mean(jnp.square(model.vector_field(traj[k], (k + 1) / 3)))) / 3
+                   for k in range(3))
+    np.testing.assert_allclose(float(stats["kinetic_energy"]), expected, rtol=1e-5)
+    assert int(stats["nfe"]) == 3
+
+
+def _spec(cfg: ModelConfig):
+    mesh = partitioning.create_mesh((1, 1, 1), devices=jax.devices()[:1])
+    return state_lib.build_state_spec(lambda rngs: build_model(cfg, rngs), optax.adam(1e-3),
+                                      mesh, partitioning.axis_rules())
+
+
+def _batch(seed: int = 0):
+    x = np.random.default_rng(seed).integers(0, 64, (4, 17)).astype(np.int32)
+    return {"inputs": x[:, :-1], "targets": x[:, 1:], "segment_ids": np.ones((4, 16), np.int32),
+            "positions": np.tile(np.arange(16, dtype=np.int32), (4, 1)),
+            "loss_mask": np.ones((4, 16), np.float32)}
+
+
+def _run_steps(spec, config, seed, steps=6):
+    fn = step_lib.jit_train_step(spec, optax.constant_schedule(1e-3), config)
+    state = state_lib.init_state(spec, seed)
+    ns, losses = [], []
+    with jax.set_mesh(spec.mesh):
+        for i in range(steps):
+            state, m = fn(state, _batch(i))
+            ns.append(int(m["num_steps"]))
+            losses.append(float(m["loss"]))
+            assert float(m["kinetic_energy"]) > 0
+    return ns, losses, state
+
+
+def test_random_step_counts_are_seeded_and_drawn_from_the_set():
+    spec = _spec(tiny_config(random_grid_offset=True))
+    config = step_lib.StepConfig(num_steps_choices=(1, 2, 4), kinetic_energy_weight=0.1,
+                                 dropout=True)
+    ns, losses, state = _run_steps(spec, config, seed=0)
+    ns2, losses2, state2 = _run_steps(spec, config, seed=0)
+    assert ns == ns2 and losses == losses2  # deterministic given the seed
+    assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
+                                     state["params"], state2["params"]))
+    assert set(ns) <= {1, 2, 4} and len(set(ns)) > 1, ns
+    ns3, _, _ = _run_steps(spec, config, seed=7, steps=12)
+    assert ns3[:6] != ns or len(set(ns3)) > 1
+
+
+def test_step_config_rejects_bad_depth_settings():
+    with pytest.raises(ValueError, match="num_steps_choices"):
+        step_lib.StepConfig(num_steps_choices=(0, 2))
+    with pytest.raises(ValueError, match="not both"):
+        step_lib.StepConfig(num_steps=4, num_steps_choices=(2, 4))
+    with pytest.raises(ValueError, match="kinetic_energy_weight"):
+        step_lib.StepConfig(kinetic_energy_weight=-1.0)
+
+
+def test_smoothness_separates_paper_and_smooth_time_features():
+    """At init, the paper's sin(1000·t·ω) features move W(t) orders of magnitude faster."""
+    from ode_lm.analysis.depth import weight_smoothness
+
+    rates = {}
+    for scale, period in ((1000.0, 10000.0), (4.0, 100.0)):
+        model = build_model(tiny_config(time_scale=scale, time_max_period=period), nnx.Rngs(0))
+        rates[scale] = weight_smoothness(model.weights_at, num_times=33)["max"]
+    assert rates[1000.0] > 30 * rates[4.0], rates
+
+
+def test_adaptive_generation_equals_uncached_greedy():
+    from ode_lm.generation import generate, greedy_uncached
+
+    model = build_model(tiny_config(), nnx.Rngs(0))
+    out = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=4, solver="adaptive", rtol=1e-2)
+    ref = greedy_uncached(model, [1, 2, 3, 4, 5], 4, solver="adaptive", rtol=1e-2)
+    np.testing.assert_array_equal(out[0], ref)
+    batch = generate(model, [[1, 2, 3, 4, 5], [7, 8]], max_new_tokens=3, solver="dopri5")
+    assert batch.shape == (2, 3) and batch.max() < 64
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny trained run through the real trainer, on the byte-level built-in corpus."""
+    from ode_lm.data import DataConfig
+    from ode_lm.training.trainer import TrainConfig, Trainer
+
+    root = tmp_path_factory.mktemp("depth")
+    data = DataConfig(data_dir=str(root / "data"), tokenizer="bytes", seq_len=16,
+                      global_batch_size=8, holdout_fraction=0.05, eval_max_batches=2)
+    cfg = tiny_config(vocab_size=384, time_scale=4.0, time_max_period=100.0,
+                      random_grid_offset=True)
+    model_dir = str(root / "run")
+    Trainer(model_config=cfg, data_config=data,
+            train_config=TrainConfig(model_dir=model_dir, num_train_steps=3),
+            step_config=step_lib.StepConfig(num_steps_choices=(2, 3), kinetic_energy_weight=0.5),
+            devices=jax.devices()[:1],
+            operative_config=lambda: _operative_gin(data)).run()
+    return model_dir
+
+
+def _operative_gin(data) -> str:
+    """What the gin CLI would write: the data settings the eval reads back."""
+    return "\n".join([f"DataConfig.data_dir = {data.data_dir!r}",
+                      f"DataConfig.tokenizer = {data.tokenizer!r}",
+                      f"DataConfig.seq_len = {data.seq_len}",
+                      f"DataConfig.global_batch_size = {data.global_batch_size}",
+                      f"DataConfig.holdout_fraction = {data.holdout_fraction}",
+                      f"DataConfig.eval_max_batches = {data.eval_max_batches}"])
+
+
+def test_depth_report_end_to_end(tiny_run, tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "depth_report", os.path.join(os.path.dirname(__file__), "..", "tools", "depth_report.py"))
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    out = tmp_path / "report"
+    rc = tool.main([f"--model_dir={tiny_run}", f"--compare_dir={tiny_run}", f"--out={out}",
+                    f"--json={tmp_path / 'r.json'}", "--num_steps=1,2",
+                    "--solvers=euler,rk4", "--rtols=1e-2,1e-3"])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["trained_num_steps"] == 3
+    assert set(report["ppl"]) == {"euler", "rk4"} and set(report["ppl"]["rk4"]) == {"1", "2"}
+    assert all(v > 1.0 for row in report["ppl"].values() for v in row.values())
+    assert [a["rtol"] for a in report["adaptive"]] == [1e-2, 1e-3]
+    assert all(a["nfe"] >= 4 and a["ppl"] > 1.0 for a in report["adaptive"])
+    assert report["smoothness"] > 0 and report["compare"]["ppl"] == report["ppl"]
+    rows = list(csv.DictReader(open(out / "depth_report.csv")))
+    assert len(rows) == 2 * (2 * 2 + 2)
+    assert (out / "depth_report.png").read_bytes()[:4] == b"\x89PNG"
+    assert tool.main([f"--model_dir={tmp_path / 'nope'}", f"--out={out}"]) == 1
+    assert "--model_dir=" in capsys.readouterr().err
+
+
+def test_eval_cli_adaptive_prints_perplexity_and_nfe(tiny_run, capsys):
+    from ode_lm.eval import main
+
+    assert main([f"--model_dir={tiny_run}", "--solver=adaptive", "--rtol=1e-3"]) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["eval/perplexity@adaptive:rtol=0.001"] > 1.0
+    assert results["eval/nfe@adaptive:rtol=0.001"] >= 4
+    assert main([f"--model_dir={tiny_run}", "--solver=adaptive", "--rtol=-1"]) == 1
+    assert "--rtol=-1" in capsys.readouterr().err
