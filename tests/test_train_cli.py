@@ -37,6 +37,12 @@ DATA_DIR = '{data_dir}'
 MODEL_DIR = '{model_dir}'
 TRAIN_STEPS = {steps}
 ModelConfig.sinusoidal_dim = 4
+# the depth-robust recipe, so exact resume covers random step counts, grid offsets and the
+# kinetic-energy regulariser (the model's own N=2 is what eval/loss uses)
+ModelConfig.time_scale = 4.0
+ModelConfig.random_grid_offset = True
+StepConfig.num_steps_choices = (1, 2, 3)
+StepConfig.kinetic_energy_weight = 0.5
 train.model_dir = %MODEL_DIR
 train.num_train_steps = %TRAIN_STEPS
 TrainConfig.log_every = 1
@@ -122,11 +128,14 @@ def test_reference_run_writes_config_checkpoints_and_tensorboard(reference):
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
     for name in ("loss", "learning_rate", "grad_norm", "param_norm", "tokens_per_second",
-                 "tokens_seen", "step_time", "mfu"):
+                 "tokens_seen", "step_time", "mfu", "num_steps", "kinetic_energy"):
         assert f"train/{name}" in tags, (name, sorted(tags))
     for name in ("eval/loss", "eval/perplexity", "eval/loss@steps=4", "eval/perplexity@steps=4"):
         assert name in tags, (name, sorted(tags))
     assert len(acc.Scalars("train/loss")) == 2 * K
+    drawn = [e.value for e in acc.Scalars("train/num_steps")]  # log_every = 1: each step's N
+    assert set(drawn) <= {1.0, 2.0, 3.0} and len(set(drawn)) > 1, drawn
+    assert all(e.value > 0 for e in acc.Scalars("train/kinetic_energy"))
     assert acc.Scalars("train/tokens_seen")[-1].value == 2 * K * 8 * 32
     assert "config" in " ".join(acc.Tags()["tensors"])  # operative config as text
 

@@ -144,11 +144,13 @@ class DiffEqFormer(nnx.Module):
             return parallel_residual(cfg, w, x, positions, mask, key)
 
         # With stats, the state is augmented (Finlay et al. 2020) by the kinetic energy
-        # e(t) = ∫ mean(f²) dt, integrated by the same solver at no extra evaluation.
+        # e(t) = ∫ mean(f²) dt, integrated by the same solver at no extra evaluation. It is
+        # kept per sequence ([B], sharded like the batch) so the solver step holds no
+        # cross-device reduction; the batch mean is taken after the solve.
         kinetic = return_stats and not return_trajectory
-        field = (lambda s, t, *a: (lambda d: (d, jnp.mean(jnp.square(d))))(f(s[0], t, *a))
-                 ) if kinetic else f
-        state0 = (x0, jnp.zeros((), jnp.float32)) if kinetic else x0
+        field = (lambda s, t, *a: (lambda d: (d, jnp.mean(jnp.square(d), axis=(1, 2))))(
+            f(s[0], t, *a))) if kinetic else f
+        state0 = (x0, jnp.zeros(x0.shape[:1], jnp.float32)) if kinetic else x0
         out = solvers.solve(
             field, state0, num_steps=num_steps, solver=solver, time_offset=offset,
             step_inputs=step_inputs or None, return_trajectory=return_trajectory,
@@ -158,7 +160,8 @@ class DiffEqFormer(nnx.Module):
             return out
         stats = {"nfe": jnp.asarray(num_steps * solvers.num_stages(solver), jnp.int32)}
         if kinetic:
-            out, stats["kinetic_energy"] = out
+            out, energy = out
+            stats["kinetic_energy"] = jnp.mean(energy)
         return out, stats
 
     def __call__(
