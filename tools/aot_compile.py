@@ -173,6 +173,7 @@ def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
     if flags.rest:
         raise ValueError(f"unknown flag {flags.rest[0]!r}")
     gin_setup.parse_gin(flags)
+    gin_setup.check_cli_macros(flags)
     try:
         num_train_steps = int(gin.query_parameter("train.num_train_steps"))
     except (ValueError, TypeError):
