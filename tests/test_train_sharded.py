@@ -58,7 +58,7 @@ def train_losses(ici, microbatches: int = 1, data=None) -> tuple[list[float], di
         assert leaf.sharding == sharding  # created sharded, never whole on one device
     train_step = step_lib.jit_train_step(spec, schedule,
                                          step_lib.StepConfig(microbatches=microbatches))
-    sharding = pt.batch_sharding(mesh)
+    sharding = pt.batch_sharding(mesh, pt.LOGICAL_AXIS_RULES)
     losses, metrics = [], {}
     with jax.set_mesh(mesh):
         for b in data or batches():
