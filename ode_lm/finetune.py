@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -209,34 +208,26 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     return result, info
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from ode_lm.train import one_line, setup_logging, user_errors
-    from ode_lm.training import gin_setup
+USAGE = ("usage: python -m ode_lm.finetune --gin_file=configs/finetune/X.gin "
+         "[--gin.PRETRAINED_DIR=...] [--gin.FINETUNE_STEPS=M] [--gin.METHOD=full|lora] [--verbose]")
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: python -m ode_lm.finetune --gin_file=configs/finetune/X.gin "
-             "[--gin.PRETRAINED_DIR=...] [--gin.FINETUNE_STEPS=M] [--gin.METHOD=full|lora]")
-    if any(a in ("-h", "--help") for a in argv):
-        print(usage)
-        return 0
-    setup_logging()
-    try:
-        flags = gin_setup.parse_flags(argv)
-        if flags.rest:
-            raise ValueError(f"unknown flag {flags.rest[0]!r}; {usage}")
-        if not flags.files:
-            raise ValueError(f"no --gin_file given; {usage}")
-        gin_setup.parse_gin(flags)
-        result, _ = run_finetune()
-    except user_errors() as e:
-        if os.environ.get("ODE_LM_DEBUG"):
-            raise
-        print(f"ode-lm-finetune: error: {one_line(e)}", file=sys.stderr)
-        return 1
+
+def _report(outcome) -> int:
+    result, _ = outcome
     for k, v in result.eval.items():
         print(f"{k}: {v:.4f}")
     return 0
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """Same runner as ode_lm.train: gin checks, then the multi-host join, then the run."""
+    from ode_lm.cli import run_gin_cli
+
+    return run_gin_cli(argv, prog="ode-lm-finetune", usage=USAGE, entry=run_finetune,
+                       report=_report, require_files=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    from ode_lm.cli import main_exit
+
+    main_exit(main)

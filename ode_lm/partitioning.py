@@ -127,13 +127,15 @@ def logical_to_mesh(spec: Sequence[str | None], rules: Sequence[tuple[str, Any]]
     return P(*(None if name is None else table[name] for name in spec))
 
 
-def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES):
-    """Sharding of every [B, T] batch array: batch over activation_batch = (data, fsdp)."""
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]]):
+    """Sharding of every [B, T] batch array: batch over activation_batch as the run's
+    ``rules`` map it ((data, fsdp) in the default table). No default: a caller that forgot
+    the run's overrides would lay the batch out unlike the train step expects."""
     return NamedSharding(mesh, logical_to_mesh(("activation_batch", None), rules))
 
 
-def batch_shards(mesh: Mesh, rules: Sequence[tuple[str, Any]] = LOGICAL_AXIS_RULES) -> int:
-    """How many ways the batch dimension is split on this mesh."""
+def batch_shards(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> int:
+    """How many ways the batch dimension is split on this mesh under the run's ``rules``."""
     spec = logical_to_mesh(("activation_batch",), rules)[0]
     axes = spec if isinstance(spec, tuple) else (() if spec is None else (spec,))
     return math.prod(mesh.shape[a] for a in axes)

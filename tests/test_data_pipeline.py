@@ -11,6 +11,7 @@ from data_helpers import assert_batches_equal, builtin_config, run_resume_script
 from ode_lm.data import load_manifest, make_train_iterator, to_global_batch
 from ode_lm.data import packing as packing_lib
 from ode_lm.data.pipeline import HostOrder, open_split
+from ode_lm.partitioning import LOGICAL_AXIS_RULES
 
 PACKINGS = ("concat", "first_fit")
 
@@ -156,7 +157,7 @@ def test_to_global_batch_shards_over_activation_batch():
     batch = next(make_train_iterator(cfg, process_index=0, process_count=1))
     devices = np.array(jax.devices()[:8]).reshape(2, 4, 1)
     mesh = jax.sharding.Mesh(devices, ("data", "fsdp", "tensor"))
-    out = to_global_batch(batch, mesh)
+    out = to_global_batch(batch, mesh, LOGICAL_AXIS_RULES)
     for k, v in out.items():
         assert v.shape == batch[k].shape and v.dtype == batch[k].dtype
         assert v.sharding.spec[0] == ("data", "fsdp")

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from numerics import f32_atol
 
 from ode_lm.models import ModelConfig, build_model, weights_at
 
@@ -62,7 +63,8 @@ def test_generated_weights_have_baseline_init_scale_at_every_t():
         stds = np.asarray(ws[name].reshape(len(ts), -1).std(axis=1))
         ratio = stds / cfg.init_std
         assert (ratio > 0.5).all() and (ratio < 2.0).all(), (name, ratio)
-    np.testing.assert_allclose(np.asarray(ws["norm1_scale"]), 1.0)  # gain(t) = 1 at init
+    # gain(t) = 1 at init, exactly: the gain's time MLP has a zero-initialised output layer
+    np.testing.assert_allclose(np.asarray(ws["norm1_scale"]), 1.0, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama", "neox"])
@@ -96,8 +98,13 @@ def test_precompute_and_remat_policies_match_in_scan():
                {"remat": "full"}):
         other = nnx.merge(nnx.graphdef(build_model(base.replace(**kw), nnx.Rngs(0))), state)
         g = flat_grads(other, x)
+        # Same math, reassociated (precomputed vs in-scan W(t), recomputed activations): each
+        # gradient entry is a float32 sum over B·T positions and solver steps, accurate to a
+        # few ulps of the leaf's *largest* entries (small entries are cancellations, so a
+        # relative bound means nothing for them). Measured: 3e-6 of the leaf max on x86.
         for k, v in ref.items():
-            np.testing.assert_allclose(g[k], v, rtol=1e-4, atol=1e-7, err_msg=f"{kw} {k}")
+            np.testing.assert_allclose(g[k], v, rtol=1e-4, atol=f32_atol(v, 512),
+                                       err_msg=f"{kw} {k}")
 
 
 def test_random_grid_offset_only_in_training_mode():

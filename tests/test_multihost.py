@@ -258,6 +258,8 @@ def test_two_hosts_match_one_host_then_one_host_resumes(tmp_path):
 
     ref_losses, multi_losses = train_losses(ref_dir), train_losses(multi_dir)
     assert sorted(multi_losses) == [1, 2, 3, 4, 5]
+    # 2 x 4 vs 1 x 8 devices: the same program, reductions split differently across processes;
+    # losses ~5 (float32 ulp 4.8e-7), so 1e-5 is ~20 ulps after 5 steps
     for s in range(1, 6):
         assert abs(multi_losses[s] - ref_losses[s]) < 1e-5, (s, multi_losses[s], ref_losses[s])
     assert (multi_dir / "checkpoints").is_dir()

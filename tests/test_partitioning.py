@@ -34,8 +34,10 @@ def test_create_mesh_auto_axes_and_device_subsets():
     assert mesh.axis_types == (AxisType.Auto,) * 3
     small = pt.create_mesh((1, -1, 1), devices=jax.devices()[:4])
     assert dict(small.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
-    assert pt.batch_shards(mesh) == 4
-    assert pt.batch_sharding(mesh).spec == P(("data", "fsdp"), None)
+    assert pt.batch_shards(mesh, pt.LOGICAL_AXIS_RULES) == 4
+    assert pt.batch_sharding(mesh, pt.LOGICAL_AXIS_RULES).spec == P(("data", "fsdp"), None)
+    data_only = pt.axis_rules((("activation_batch", "data"),))
+    assert pt.batch_shards(mesh, data_only) == 2
 
 
 def test_axis_rules_overrides_replace_entries_of_the_one_table():
@@ -65,3 +67,36 @@ def test_sharding_table_and_forgotten_annotation_check():
     with pytest.raises(ValueError, match=r"parameter 'v' \(64, 32\) .*missing a logical-axis"):
         pt.check_param_annotations({"w": sharded, "v": forgotten})
     assert pt.bytes_per_device(np.zeros((3, 5), np.float32)) == 60
+
+
+def test_batch_divisibility_uses_the_runs_rule_overrides(tmp_path):
+    """MeshConfig.rule_overrides reach trainer.validate: activation_batch -> 'data' splits the
+    batch 2 ways on a (2, 4, 1) mesh, so 6 rows are fine there and not under the default."""
+    from types import SimpleNamespace
+
+    from ode_lm.models.config import ModelConfig
+    from ode_lm.training import trainer as trainer_lib
+    from ode_lm.training.step import StepConfig
+
+    mesh = pt.create_mesh((2, 4, 1))
+    data = SimpleNamespace(global_batch_size=6, seq_len=16)
+    model = ModelConfig(vocab_size=64, d_model=16, num_heads=2, max_seq_len=16)
+    with pytest.raises(ValueError, match="global_batch_size=6 is not divisible by the 8 batch"):
+        trainer_lib.validate(model, data, StepConfig(), mesh, pt.LOGICAL_AXIS_RULES)
+    override = pt.axis_rules((("activation_batch", "data"),))
+    trainer_lib.validate(model, data, StepConfig(), mesh, override)
+    # and the Trainer passes its own (overridden) rules to that check
+    mesh_cfg = trainer_lib.MeshConfig(ici_parallelism=(2, 4, 1),
+                                      rule_overrides=(("activation_batch", "data"),))
+    trainer = trainer_lib.Trainer(
+        model_config=model, data_config=data, mesh_config=mesh_cfg,
+        train_config=trainer_lib.TrainConfig(model_dir=str(tmp_path / "run"), num_train_steps=1),
+        train_data=lambda *a: (None, iter(())))
+    assert pt.batch_shards(trainer.mesh, trainer.rules) == 2
+    with pytest.raises(ValueError, match="not divisible by the 8 batch shards"):
+        trainer_lib.Trainer(
+            model_config=model, data_config=data,
+            mesh_config=trainer_lib.MeshConfig(ici_parallelism=(2, 4, 1)),
+            train_config=trainer_lib.TrainConfig(model_dir=str(tmp_path / "r2"),
+                                                 num_train_steps=1),
+            train_data=lambda *a: (None, iter(())))

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import f32_atol
 
 from ode_lm import partitioning as pt
 from ode_lm.models import build_model
@@ -38,6 +39,12 @@ def batches(n: int = STEPS) -> list[dict[str, np.ndarray]]:
     return out
 
 
+# Sharding reorders the float32 reductions of every step (loss, gradients, Adam moments), and
+# 5 steps carry the difference forward. At the loss scale (~4.9, one ulp = 4.8e-7) 24 ulps
+# (1.1e-5) is the budget; x86 CPUs show one ulp.
+LOSS_ATOL = f32_atol(np.log(CONFIG.vocab_size), 24)
+
+
 def train_losses(ici, microbatches: int = 1, data=None) -> tuple[list[float], dict]:
     devices = jax.devices()[: int(np.prod(ici))]
     mesh = pt.create_mesh(ici, devices=devices)
@@ -51,7 +58,7 @@ def train_losses(ici, microbatches: int = 1, data=None) -> tuple[list[float], di
         assert leaf.sharding == sharding  # created sharded, never whole on one device
     train_step = step_lib.jit_train_step(spec, schedule,
                                          step_lib.StepConfig(microbatches=microbatches))
-    sharding = pt.batch_sharding(mesh)
+    sharding = pt.batch_sharding(mesh, pt.LOGICAL_AXIS_RULES)
     losses, metrics = [], {}
     with jax.set_mesh(mesh):
         for b in data or batches():
@@ -69,13 +76,13 @@ def reference():
 @pytest.mark.parametrize("ici", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)])
 def test_sharded_matches_single_device(ici, reference):
     losses, _ = train_losses(ici)
-    np.testing.assert_allclose(losses, reference[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(losses, reference[0], atol=LOSS_ATOL, rtol=0)
     assert reference[0][-1] < reference[0][0]  # it trains
 
 
 def test_grad_accumulation_matches_full_batch(reference):
     losses, _ = train_losses((2, 2, 1), microbatches=2)
-    np.testing.assert_allclose(losses, reference[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(losses, reference[0], atol=LOSS_ATOL, rtol=0)
 
 
 def test_nan_guard_skips_update_and_counts():

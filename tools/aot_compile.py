@@ -173,6 +173,7 @@ def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
     if flags.rest:
         raise ValueError(f"unknown flag {flags.rest[0]!r}")
     gin_setup.parse_gin(flags)
+    gin_setup.check_cli_macros(flags)
     try:
         num_train_steps = int(gin.query_parameter("train.num_train_steps"))
     except (ValueError, TypeError):
@@ -219,7 +220,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
                          f"chips in {topo.num_slices} slice(s)): {e}") from None
     rules = partitioning.axis_rules(mesh_cfg.rule_overrides)
     data = dataclasses.replace(data, global_batch_size=global_batch)
-    trainer_lib.validate(model, data, cfg["step"], mesh)
+    trainer_lib.validate(model, data, cfg["step"], mesh, rules)
     tx, schedule = make_optimizer(cfg["optimizer"], cfg["num_train_steps"])
     spec = state_lib.build_state_spec(trainer_lib.default_model_fn(model), tx, mesh, rules)
     total, hyper = count_params(spec.abstract_params)
@@ -373,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                             cfg["mesh"].dcn_parallelism, devices)
             print(f"searching the largest per-chip batch on {topo.name} "
                   f"(remat={cfg['model'].remat})")
-            report = search_batch(cfg, topo, devices, partitioning.batch_shards(mesh))
+            rules = partitioning.axis_rules(cfg["mesh"].rule_overrides)
+            report = search_batch(cfg, topo, devices, partitioning.batch_shards(mesh, rules))
         else:
             report = compile_train_step(cfg, topo, devices, batch)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

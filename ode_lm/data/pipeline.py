@@ -354,15 +354,14 @@ def make_train_iterator(cfg: DataConfig, *, process_index: int | None = None,
     return iter(ds)
 
 
-def to_global_batch(batch: dict[str, np.ndarray], mesh, rules=None) -> dict[str, Any]:
+def to_global_batch(batch: dict[str, np.ndarray], mesh, rules) -> dict[str, Any]:
     """Host-local numpy batch -> global ``jax.Array``s (``make_array_from_process_local_data``),
-    sharded over ``activation_batch`` as the run's logical-axis ``rules`` map it (the
-    defaults of ``ode_lm.partitioning`` when None, so gin overrides reach the data too)."""
+    sharded over ``activation_batch`` as the run's logical-axis ``rules`` map it (required,
+    so gin overrides always reach the data; ``partitioning.LOGICAL_AXIS_RULES`` for none)."""
     import jax
 
     from ode_lm import partitioning
 
-    sharding = partitioning.batch_sharding(
-        mesh, partitioning.LOGICAL_AXIS_RULES if rules is None else rules)
+    sharding = partitioning.batch_sharding(mesh, rules)
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
             for k, v in batch.items()}

@@ -4,12 +4,15 @@ Flags: ``--gin_file=F`` (repeatable), ``--gin_bindings='A.b = 1'`` (repeatable),
 ``--gin.NAME=VALUE`` (shorthand for a binding; a bare word VALUE is taken as a string) and
 ``--gin_search_paths=a,b``. Files are parsed first in order, then bindings in order, so
 later ones win. The package's ``configs/`` directory is always on the search path.
+A command-line macro (``--gin.NAME=V``) that no loaded config references is an error
+(``check_cli_macros``), as gin itself makes an unknown configurable or parameter one.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import os
 import pathlib
 from collections.abc import Sequence
@@ -48,6 +51,7 @@ class GinFlags:
     bindings: list[str] = dataclasses.field(default_factory=list)
     search_paths: list[str] = dataclasses.field(default_factory=list)
     rest: list[str] = dataclasses.field(default_factory=list)
+    sources: list[str] = dataclasses.field(default_factory=list)  # the flag of each binding
 
 
 def _binding_value(value: str) -> str:
@@ -79,12 +83,14 @@ def parse_flags(argv: Sequence[str]) -> GinFlags:
             flags.files.append(value)
         elif name == "--gin_bindings":
             flags.bindings.append(value)
+            flags.sources.append(f"--gin_bindings={value!r}")
         elif name == "--gin_search_paths":
             flags.search_paths.extend(p for p in value.split(",") if p)
         elif name.startswith("--gin."):
             if not eq:
                 raise ValueError(f"flag {arg!r}: expected --gin.NAME=VALUE")
             flags.bindings.append(f"{name[len('--gin.'):]} = {_binding_value(value)}")
+            flags.sources.append(arg)
         else:
             flags.rest.append(arg)
         i += 1
@@ -102,6 +108,36 @@ def parse_gin(flags: GinFlags) -> None:
         ):
             raise FileNotFoundError(f"--gin_file={f}: no such file")
     gin.parse_config_files_and_bindings(flags.files, flags.bindings, finalize_config=False)
+
+
+def _macro_key(binding: str) -> str | None:
+    """NAME when the binding sets a macro (``NAME = v``, no configurable before a dot)."""
+    key = binding.partition("=")[0].strip()
+    return key if key.isidentifier() else None
+
+
+def referenced_macros() -> set[str]:
+    """Macros the parsed config refers to (``%NAME`` anywhere, in files or bindings)."""
+    from gin import config as gin_config
+
+    return {ref.config_key[0] for ref in gin_config.iterate_references(gin_config._CONFIG)
+            if ref.config_key[1] == "gin.macro"}
+
+
+def check_cli_macros(flags: GinFlags) -> None:
+    """A macro set on the command line must be used by a loaded config: ``--gin.ODE_STEP=8``
+    for ``ODE_STEPS`` would otherwise train the wrong model without a word."""
+    used = referenced_macros()
+    extra = flags.bindings[len(flags.sources):]  # GinFlags built in code, without sources
+    sources = [*flags.sources, *(f"--gin_bindings={b!r}" for b in extra)]
+    for binding, source in zip(flags.bindings, sources, strict=True):
+        name = _macro_key(binding)
+        if name is None or name in used:
+            continue
+        close = difflib.get_close_matches(name, sorted(used), n=1, cutoff=0.6)
+        hint = (f"did you mean {close[0]}?" if close
+                else f"the loaded configs use {', '.join(sorted(used)) or 'no macros'}")
+        raise ValueError(f"{source}: no loaded config uses the macro {name} ({hint})")
 
 
 @gin.configurable("train", module="ode_lm")

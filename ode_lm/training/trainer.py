@@ -86,18 +86,20 @@ def ensure_writable(model_dir: str) -> None:
         raise PermissionError(f"MODEL_DIR={model_dir!r} is not writable: {e.strerror}") from None
 
 
-def validate(model: ModelConfig, data: Any, step_cfg: step_lib.StepConfig, mesh) -> None:
-    """Configuration errors that would otherwise surface deep inside compilation."""
-    shards = partitioning.batch_shards(mesh)
+def validate(model: ModelConfig, data: Any, step_cfg: step_lib.StepConfig, mesh, rules) -> None:
+    """Configuration errors that would otherwise surface deep inside compilation; the batch
+    split is the run's (``rules`` with its MeshConfig.rule_overrides), not the default one."""
+    shards = partitioning.batch_shards(mesh, rules)
+    axes = partitioning.logical_to_mesh(("activation_batch",), rules)[0]
     batch = data.global_batch_size
     if batch % shards:
         raise ValueError(
-            f"DataConfig.global_batch_size={batch} is not divisible by data x fsdp = {shards} "
-            f"(mesh {dict(mesh.shape)})"
+            f"DataConfig.global_batch_size={batch} is not divisible by the {shards} batch "
+            f"shards (activation_batch -> {axes} on mesh {dict(mesh.shape)})"
         )
     if batch % (shards * step_cfg.microbatches):
         raise ValueError(
-            f"DataConfig.global_batch_size={batch} is not divisible by data x fsdp x "
+            f"DataConfig.global_batch_size={batch} is not divisible by batch shards x "
             f"StepConfig.microbatches = {shards * step_cfg.microbatches}"
         )
     if data.seq_len > model.max_seq_len:
@@ -164,7 +166,7 @@ class Trainer:
             mesh_config.ici_parallelism, mesh_config.dcn_parallelism, devices
         )
         self.rules = partitioning.axis_rules(mesh_config.rule_overrides)
-        validate(model_config, data_config, step_config, self.mesh)
+        validate(model_config, data_config, step_config, self.mesh, self.rules)
         ensure_writable(train_config.model_dir)
         # 2. abstract state and shardings
         tx, self.schedule = make_optimizer(optimizer_config, train_config.num_train_steps)
