@@ -113,7 +113,7 @@ def plot_depth_curves(reports: dict[str, dict[str, Any]], path) -> pathlib.Path:
     import matplotlib.pyplot as plt
 
     path = pathlib.Path(path)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.8))
     colors = {"euler": "C0", "midpoint": "C1", "rk4": "C2"}
     for i, (run, rep) in enumerate(reports.items()):
         style = ("-", "--", ":", "-.")[i % 4]
@@ -128,10 +128,15 @@ def plot_depth_curves(reports: dict[str, dict[str, Any]], path) -> pathlib.Path:
                        label=f"{run}: adaptive rtol={a['rtol']:g} (NFE {a['nfe']:.0f})")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ticks = sorted({int(n) for rep in reports.values() for row in rep["ppl"].values()
+                    for n in row})
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(n) for n in ticks])
+    ax.minorticks_off()
     ax.set_xlabel("solver steps N")
     ax.set_ylabel("validation perplexity")
     ax.set_title("Depth curve: perplexity against the number of ODE steps")
-    ax.legend(fontsize=6, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
