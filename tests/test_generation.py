@@ -86,5 +86,9 @@ def test_sample_cli_prints_text_and_speed(tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "tokens/s" in out and "M=3" in out
     assert "\nThe ODE" in out  # each continuation starts with its prompt
+    rc = sample.main([f"--model_dir={run}", "--prompt=The ODE", "--max_new_tokens=3",
+                      "--temperature=0", "--solver=adaptive", "--rtol=1e-2", "--no_timing"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "adaptive rtol=0.01" in out and out.startswith("The ODE")
     assert sample.main([f"--model_dir={run}", "--prompt=a", "--num_steps=0"]) == 1
     assert "--num_steps=0" in capsys.readouterr().err
