@@ -26,6 +26,7 @@ import gin
 import jax
 from flax import nnx
 
+from ode_lm.config_types import check_types
 from ode_lm.export.source import FINETUNE_FILE, run_data_dir
 from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
 from ode_lm.models.config import ModelConfig
@@ -49,6 +50,7 @@ class FinetuneConfig:
     pretrained_step: int | None = None  # None = latest
 
     def __post_init__(self):
+        check_types(self)
         if not isinstance(self.num_steps, int) or self.num_steps <= 0:
             raise ValueError(f"FINETUNE_STEPS={self.num_steps!r}: must be a positive number of "
                              "solver steps")

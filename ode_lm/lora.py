@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ode_lm.config_types import check_types
 from ode_lm.models.common import mesh_active
 from ode_lm.models.config import ModelConfig
 from ode_lm.models.vector_field import dense_specs
@@ -47,6 +48,7 @@ class LoRASpec:
     targets: tuple[str, ...] = ("qkv", "out", "mlp_*")
 
     def __post_init__(self):
+        check_types(self)
         if self.rank <= 0:
             raise ValueError(f"LoRA rank={self.rank}: must be >= 1")
         if not self.targets:

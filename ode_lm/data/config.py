@@ -11,6 +11,8 @@ import os
 import re
 import tempfile
 
+from ode_lm.config_types import check_types
+
 PACKINGS = ("concat", "first_fit")
 
 
@@ -62,6 +64,7 @@ class DataConfig:
     interleave_files: int = 4        # files read concurrently per host
 
     def __post_init__(self) -> None:
+        check_types(self)
         if not self.data_dir:
             object.__setattr__(self, "data_dir", default_data_dir(
                 self.source, self.tokenizer, self.holdout_fraction, self.holdout_seed))

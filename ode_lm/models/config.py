@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ode_lm.config_types import check_types
+
 FLAVOURS = ("gpt2", "llama", "neox")
 ARCHITECTURES = ("ode", "sequential", "parallel")
 SOLVERS = ("euler", "midpoint", "rk4")  # fixed grid: training and evaluation
@@ -58,6 +60,7 @@ class ModelConfig:
     init_std: float = 0.02
 
     def __post_init__(self):
+        check_types(self)
         if self.flavour not in FLAVOURS:
             raise ValueError(f"ModelConfig.flavour={self.flavour!r}: expected one of {FLAVOURS}")
         if self.architecture not in ARCHITECTURES:

@@ -22,6 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ode_lm.config_types import check_types
 from ode_lm.training.optim import path_name
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -36,6 +37,7 @@ class CheckpointConfig:
     async_save: bool = True
 
     def __post_init__(self):
+        check_types(self)
         if self.save_every < 1:
             raise ValueError(f"CheckpointConfig.save_every={self.save_every}: must be >= 1")
 

@@ -15,6 +15,8 @@ from typing import Any
 import jax
 import optax
 
+from ode_lm.config_types import check_types
+
 MaskPredicate = Callable[[str, Any], bool]
 
 # Parameters whose path matches this never get weight decay in the paper preset.
@@ -36,6 +38,7 @@ class OptimizerConfig:
     clip_norm: float | None = 1.0
 
     def __post_init__(self):
+        check_types(self)
         if self.learning_rate <= 0:
             raise ValueError(f"OptimizerConfig.learning_rate={self.learning_rate}: must be > 0")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

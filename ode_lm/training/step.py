@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ode_lm.config_types import check_types
 from ode_lm.partitioning import batch_sharding, logical_to_mesh
 from ode_lm.training.state import StateSpec
 
@@ -43,6 +44,7 @@ class StepConfig:
     dropout: bool | None = None
 
     def __post_init__(self):
+        check_types(self)
         if self.microbatches < 1:
             raise ValueError(f"StepConfig.microbatches={self.microbatches}: must be >= 1")
         choices = tuple(self.num_steps_choices)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 
 from ode_lm import partitioning
+from ode_lm.config_types import check_types
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
@@ -42,6 +43,7 @@ class TrainConfig:
     cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
 
     def __post_init__(self):
+        check_types(self)
         if self.num_train_steps < 1:
             raise ValueError(f"TrainConfig.num_train_steps={self.num_train_steps}: must be >= 1")
         if self.log_every < 1:
@@ -55,6 +57,9 @@ class MeshConfig:
     ici_parallelism: tuple[int, int, int] = (1, -1, 1)
     dcn_parallelism: tuple[int, int, int] = (1, 1, 1)
     rule_overrides: tuple = ()  # ((logical axis, mesh axes), ...) replacing table entries
+
+    def __post_init__(self):
+        check_types(self)
 
 
 @dataclasses.dataclass
