@@ -112,6 +112,21 @@ def test_cli_bad_input_one_line(tmp_path, capsys, flavour, extra, message):
     assert not os.path.exists(tmp_path / "x")  # refused before writing anything
 
 
+def test_verify_without_the_hf_extra_stops_before_writing(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        None if name == "transformers" else real_find_spec(name, *a)))
+    run = str(tmp_path / "run")
+    make_run(run, tiny_config("gpt2"))
+    rc = _cli([f"--model_dir={run}", f"--out={tmp_path / 'x'}", "--format=hf", "--num_steps=2",
+               "--verify"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 1 and "needs transformers" in err and "[hf]" in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "x")  # checked before the export is written
+
+
 def test_sequential_baseline_cannot_map_to_hf(tmp_path, capsys):
     run = str(tmp_path / "run")
     make_run(run, tiny_config("llama", architecture="sequential", num_layers=2))

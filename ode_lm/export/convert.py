@@ -110,9 +110,11 @@ def export(
     if config is None:
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
     check_request(fmt, config.flavour, config.architecture, num_steps, dtype)
-    model, config, step = load_run_model(model_dir, step)
     if out_dir and os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"--out={out_dir}: directory exists and is not empty")
+    if verify_logits and fmt != "raw":
+        verify.require_hf()  # before the export is written, not after
+    model, config, step = load_run_model(model_dir, step)
     os.makedirs(out_dir, exist_ok=True)
     data_dir = data_dir or run_data_dir(model_dir)
     if fmt == "raw":

@@ -24,15 +24,21 @@ def reference_logits(model: nnx.Module, tokens: np.ndarray, num_steps: int | Non
     return np.asarray(model(jnp.asarray(tokens, jnp.int32), num_steps=num_steps))
 
 
+def require_hf() -> None:
+    """Fail before any file is written when ``--verify`` of an hf export cannot run."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"--verify of an hf export needs {' and '.join(missing)} (not "
+                          "installed); install them with: pip install -e '.[hf]'")
+
+
 def hf_logits(export_dir: str, tokens: np.ndarray) -> np.ndarray:
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        raise ImportError(
-            f"--verify of an hf export needs torch and transformers ({e}); "
-            "install them with: pip install -e '.[hf]'"
-        ) from None
+    require_hf()
+    import torch
+    import transformers
+
     model = transformers.AutoModelForCausalLM.from_pretrained(
         export_dir, trust_remote_code=True, dtype=torch.float32)
     model.eval()
