@@ -7,12 +7,13 @@ exactly one line ``<prog>: error: <message>`` on stderr. ``--verbose`` (or
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 # gin appends "  In call to configurable 'X' (<class '...'>)" (or "<function ... at 0x..>")
 # to every exception raised inside a configurable; one per level of nesting.
@@ -36,6 +37,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     return (ValueError, TypeError, OSError, RuntimeError, KeyError, FloatingPointError,
             SyntaxError, PreparedDataError)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the one-line error of every ode-lm CLI (no usage block before it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def debug() -> bool:

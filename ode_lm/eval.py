@@ -17,11 +17,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from ode_lm import cli
 from ode_lm.train import one_line, setup_logging, user_errors
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="ode-lm-eval", description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(prog="ode-lm-eval", description=__doc__.splitlines()[0])
     p.add_argument("--model_dir", required=True)
     p.add_argument("--num_steps", default=None,
                    help="ODE steps, comma-separated for a sweep (default: the model's)")

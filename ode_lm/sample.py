@@ -13,11 +13,13 @@ import sys
 import time
 from collections.abc import Sequence
 
+from ode_lm import cli
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m ode_lm.sample", description=__doc__.split("\n")[2])
+    p = cli.ArgumentParser(prog="python -m ode_lm.sample", description=__doc__.split("\n")[2])
     p.add_argument("--model_dir", required=True)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--num_steps", type=int, default=None, help="ODE solver steps M")

@@ -17,6 +17,8 @@ import os
 import sys
 import time
 
+from ode_lm import cli
+
 COMMANDS = ("trajectory", "spectral", "lyapunov")
 
 
@@ -29,7 +31,7 @@ def _floats(text: str) -> list[float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tools/analyze.py", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="tools/analyze.py", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=COMMANDS)
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

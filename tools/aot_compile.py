@@ -13,7 +13,6 @@ stated step time. Exit status: 0 fits, 1 does not fit, 2 bad input.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import os
@@ -21,6 +20,8 @@ import re
 import sys
 import time
 from collections.abc import Sequence
+
+from ode_lm import cli
 
 GiB = 1024**3
 # Compile-only TPU devices never touch hardware, so several compiles may share libtpu.
@@ -345,7 +346,7 @@ def table_row(label: str, r: Report) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], required=True)
     p.add_argument("--topology", required=True, help="v5p-128, v5e-256, v4-64, v6e-256, v5p:4x4x4")
     p.add_argument("--num_slices", type=int, default=1)

@@ -17,6 +17,8 @@ import json
 import os
 import sys
 
+from ode_lm import cli
+
 SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 
@@ -29,7 +31,7 @@ BYTES_PER_EXTRA_PARAM = 4 * 4  # params, grads, two Adam moments; float32
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="cpu_small", help="tiny | cpu_small | gpu_large")
     p.add_argument("--steps", type=int, default=10, help="timed steps per bench (>= 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bench first (>= 1)")

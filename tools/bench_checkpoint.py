@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ode_lm import cli
+
 VARIANTS = ("trainer", "synchronous", "keep_all", "no_ocdbt", "zstd", "raw")
 DESCRIPTIONS = {
     "trainer": "trainer Checkpointer: async, OCDBT, no compression, keep 2",
@@ -35,7 +37,7 @@ DESCRIPTIONS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="cpu_small", help="a tools/bench.py config")
     p.add_argument("--saves", type=int, default=6, help="timed saves per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds over all variants (median)")

@@ -11,13 +11,13 @@ machine the wall-clock figure mostly measures the other processes.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import tempfile
 import time
 
+from ode_lm import cli
 from ode_lm.data import DataConfig, ensure_prepared, make_train_iterator
 from ode_lm.data.corpus import builtin_documents
 
@@ -53,7 +53,7 @@ def builtin_jsonl(n_files: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data_dir", default=None, help="prepared dir (default: built-in corpus)")
     ap.add_argument("--tokenizer", default="bpe:4096")
     ap.add_argument("--seq_len", type=int, default=1024)

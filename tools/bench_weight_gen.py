@@ -8,13 +8,13 @@ scratch beyond arguments/outputs) and the measured step time. Example:
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ode_lm import cli
 from ode_lm.models import ModelConfig, build_model
 
 
@@ -44,7 +44,7 @@ def measure(config: ModelConfig, batch: int, seq: int, repeats: int) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--d_model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--steps", type=int, default=12, help="ODE steps N = baseline layers")

@@ -16,13 +16,15 @@ import os
 import sys
 import time
 
+from ode_lm import cli
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from ode_lm.export.convert import FORMATS
 
-    p = argparse.ArgumentParser(prog="convert_ckpt.py", description=__doc__.splitlines()[1])
+    p = cli.ArgumentParser(prog="convert_ckpt.py", description=__doc__.splitlines()[1])
     p.add_argument("--model_dir", required=True, help="training or fine-tuning run directory")
     p.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)}")
     p.add_argument("--out", required=True, help="export directory (created; must be empty)")

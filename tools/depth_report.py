@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from ode_lm import cli
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -44,7 +46,7 @@ def _floats(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     from ode_lm.analysis.depth import DEFAULT_NUM_STEPS, DEFAULT_RTOLS, DEFAULT_SOLVERS
 
-    p = argparse.ArgumentParser(prog="tools/depth_report.py", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog="tools/depth_report.py", description=__doc__.split("\n")[0])
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--compare_dir", default=None, help="a second run to overlay")
     p.add_argument("--out", required=True, help="output directory")

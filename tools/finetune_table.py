@@ -13,12 +13,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import sys
 import time
+
+from ode_lm import cli
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -69,7 +70,7 @@ def zero_shot_perplexity(model, data_config, num_steps: int) -> float:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p = cli.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--pretrain_steps", type=int, default=60)
     p.add_argument("--finetune_steps", type=int, default=15)
     p.add_argument("--depths", default="3,6,12")

@@ -9,9 +9,9 @@ Re-running skips finished chunks; an interrupted run resumes without duplicates.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+from ode_lm import cli
 from ode_lm.data.config import DataConfig
 from ode_lm.data.prepare import PreparedDataError, prepare
 from ode_lm.data.sources import SourceError
@@ -19,7 +19,7 @@ from ode_lm.data.sources import SourceError
 
 def main(argv: list[str] | None = None) -> int:
     d = DataConfig()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=d.source, help="builtin | paths/globs/dirs | tfds:<name>")
     ap.add_argument("--data_dir", default=None,
                     help="output dir (default: a cache dir keyed by source/tokenizer/holdout)")

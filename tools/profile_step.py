@@ -27,9 +27,11 @@ import re
 import sys
 import tempfile
 
+from ode_lm import cli
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="cpu_small", help="a tools/bench.py config")
     p.add_argument("--arch", default="ode", help="ode | parallel | sequential")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up)")

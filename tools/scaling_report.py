@@ -10,7 +10,6 @@ L = a * C^b per series (least squares in log-log), and writes ``scaling.png``,
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import glob
@@ -21,6 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from ode_lm import cli
 
 MODEL_CONFIG_FILE = "model_config.json"
 LOSS_TAG = "eval/loss"
@@ -194,7 +195,7 @@ def plot(points: Sequence[RunPoint], fits: Sequence[PowerLaw], path: str) -> Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", help="run dirs, or a sweep root holding them")
     p.add_argument("--out", required=True, help="folder for scaling.png/.csv and fits.csv")
     p.add_argument("--loss_tag", default=LOSS_TAG)

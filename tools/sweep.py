@@ -19,7 +19,6 @@ are listed (default), trained here one after another (``--run``), or printed as
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -34,6 +33,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gin import config_parser
+
+from ode_lm import cli
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -228,7 +229,7 @@ def run_locally(runs: list[Run], log_dir: str) -> list[tuple[Run, int, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_file", help="configs/sweeps/<name>.gin")
     p.add_argument("--root", required=True, help="parent of the runs' model dirs (local or gs://)")
     mode = p.add_mutually_exclusive_group()
