@@ -94,9 +94,9 @@ def run_spectral(model, out_dir, *, times: Sequence[float] | None = None,
     on normalised depth.
     """
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     units = random_hidden_units(model.config.hidden_dim, mlp_units, seed)
     spec = model_access.model_spectra(model, times, units, label)
+    out.mkdir(parents=True, exist_ok=True)  # only once the inputs proved valid
     spec.save(out / "spectra.npz")
     specs = [spec]
     lines = [f"spectra of {spec.label}:"] + summary_lines(spec)
@@ -119,10 +119,10 @@ def run_lyapunov(model, tokens: np.ndarray, token_text: list[str], out_dir, *,
     if score not in ("max", "sum"):
         raise ValueError(f"--score={score!r}: expected 'max' or 'sum'")
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     res = model_access.model_lyapunov(model, tokens, position=position, num_steps=num_steps,
                                       solver=solver, num_exponents=num_exponents,
                                       chunk_size=chunk_size)
+    out.mkdir(parents=True, exist_ok=True)
     res.token_text = list(token_text)
     res.save(out / "lyapunov.npz")
     other = "sum" if score == "max" else "max"
@@ -147,12 +147,12 @@ def run_trajectory(model, tokens: np.ndarray, out_dir, *, num_steps: int | None 
                    solver: str | None = None, times: Sequence[float] | None = None):
     """Hidden states → trajectory.npz and trajectory.png (norm and speed against depth)."""
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if times is not None:
         max_dt = None if num_steps is None else 1.0 / num_steps
         traj = states_at(model, tokens, times, max_dt=max_dt, solver=solver)
     else:
         traj = trajectory(model, tokens, num_steps, solver)
+    out.mkdir(parents=True, exist_ok=True)
     traj.save(out / "trajectory.npz")
     plots.plot_trajectory(traj.states, traj.times, out / "trajectory.png")
     norms = np.linalg.norm(traj.states, axis=-1).mean(-1)

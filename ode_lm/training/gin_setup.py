@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import os
 import pathlib
+import tokenize
 from collections.abc import Sequence
 
 import gin
@@ -107,7 +108,19 @@ def parse_gin(flags: GinFlags) -> None:
             os.path.exists(os.path.join(p, f)) for p in [*flags.search_paths, str(CONFIGS_DIR)]
         ):
             raise FileNotFoundError(f"--gin_file={f}: no such file")
-    gin.parse_config_files_and_bindings(flags.files, flags.bindings, finalize_config=False)
+    for f in flags.files:
+        try:
+            gin.parse_config_file(f)
+        except tokenize.TokenError as e:  # an unclosed bracket: gin lets tokenize's error out
+            raise ValueError(f"--gin_file={f}: {e.args[0]} (an unclosed bracket?)") from None
+    extra = flags.bindings[len(flags.sources):]
+    sources = [*flags.sources, *(f"--gin_bindings={b!r}" for b in extra)]
+    for binding, source in zip(flags.bindings, sources, strict=True):
+        try:
+            gin.parse_config(binding)
+        except (SyntaxError, tokenize.TokenError) as e:  # gin's text names no flag
+            msg = e.msg if isinstance(e, SyntaxError) else f"{e.args[0]} (an unclosed bracket?)"
+            raise ValueError(f"{source}: {msg}") from None
 
 
 def _macro_key(binding: str) -> str | None:
