@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 from ode_lm.models import solvers
-from ode_lm.models.common import apply_norm, apply_rotary, attention, compute_dtype, rotary_dim
+from ode_lm.models.common import compute_dtype
 from ode_lm.models.config import ModelConfig
-from ode_lm.models.vector_field import mlp_branch
+from ode_lm.models.vector_field import KVCache, parallel_residual
 
 
 def check_num_steps(num_steps: int | None, flag: str = "--num_steps") -> None:
@@ -71,39 +71,6 @@ def init_cache(config: ModelConfig, num_steps: int, stages: int, batch: int, max
     return {"k": zeros, "v": zeros}
 
 
-def _cached_attention(config, w, h, positions, index, ck, cv, key_valid):
-    """Attention for T_new tokens written at cache rows [index, index + T_new)."""
-    cdt = compute_dtype(config)
-    qkv = jnp.einsum("bte,eshd->btshd", h, w["qkv_kernel"].astype(cdt))
-    if "qkv_bias" in w:
-        qkv = qkv + w["qkv_bias"].astype(cdt)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    rot = rotary_dim(config)
-    q = apply_rotary(q, positions, rot, config.rope_theta)
-    k = apply_rotary(k, positions, rot, config.rope_theta)
-    ck = jax.lax.dynamic_update_slice(ck, k.astype(ck.dtype), (0, index, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cv, v.astype(cv.dtype), (0, index, 0, 0))
-    t_new, t_max = h.shape[1], ck.shape[1]
-    q_idx = index + jnp.arange(t_new)[:, None]
-    k_idx = jnp.arange(t_max)[None, :]
-    visible = (k_idx <= q_idx)[None] & (key_valid[:, None, :] | (k_idx == q_idx)[None])
-    ctx = attention(q, ck, cv, visible[:, None])
-    out = jnp.einsum("bthd,hde->bte", ctx, w["out_kernel"].astype(cdt))
-    if "out_bias" in w:
-        out = out + w["out_bias"].astype(cdt)
-    return out, ck, cv
-
-
-def _vector_field(config, w, x, positions, index, ck, cv, key_valid):
-    """f(x) = Attn(Norm1(x)) + MLP(Norm2(x)) (same maths as vector_field.parallel_residual)."""
-    cdt = compute_dtype(config)
-    h1 = apply_norm(config, x, w["norm1_scale"], w.get("norm1_bias")).astype(cdt)
-    a, ck, cv = _cached_attention(config, w, h1, positions, index, ck, cv, key_valid)
-    h2 = apply_norm(config, x, w["norm2_scale"], w.get("norm2_bias")).astype(cdt)
-    m = mlp_branch(config, w, h2)
-    return a.astype(jnp.float32) + m.astype(jnp.float32), ck, cv
-
-
 def solve_cached(config, weights, dt, solver, x, positions, index, cache, key_valid):
     """One pass of T_new tokens through every solver step, updating each stage's cache slot."""
 
@@ -113,10 +80,10 @@ def solve_cached(config, weights, dt, solver, x, positions, index, cache, key_va
 
         def f(state, _t, s):  # stage s: its pre-generated weights and its cache slot
             ws = jax.tree.map(lambda a: a[s], w)
-            out, k_s, v_s = _vector_field(config, ws, state, positions, index, ck[s], cv[s],
-                                          key_valid)
-            cks.append(k_s)
-            cvs.append(v_s)
+            out, kv = parallel_residual(config, ws, state, positions, None,
+                                        cache=KVCache(ck[s], cv[s], index, key_valid))
+            cks.append(kv.k)
+            cvs.append(kv.v)
             return out
 
         x_new, _ = solvers.rk_step(f, x, None, dt, solvers.tableau(solver),

@@ -108,7 +108,8 @@ def ode_split(model) -> tuple[Callable, Callable]:
         w = nnx.merge(graphdef, state).weights_at(t)
         mask = attention_mask(jnp.ones((1, x.shape[0]), jnp.int32))
         h = norm(w, "norm1", x[None])
-        return attention_branch(cfg, w, h, positions[None], mask)[0].astype(jnp.float32)
+        out, _ = attention_branch(cfg, w, h, positions[None], mask)
+        return out[0].astype(jnp.float32)
 
     def local(v, t, state, positions):
         del positions

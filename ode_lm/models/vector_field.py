@@ -18,6 +18,7 @@ Weight layout (E = d_model, H = heads, Dh = head_dim, F = mlp width):
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -108,19 +109,49 @@ def _dense(x, w: BlockWeights, name: str, subscripts: str, cdt):
     return y if b is None else y + b.astype(cdt)
 
 
-def attention_branch(config: ModelConfig, w: BlockWeights, h, positions, mask):
-    """Attn(h): h [B, T, E] (normalised) → [B, T, E] in compute dtype."""
+class KVCache(NamedTuple):
+    """Keys/values of one attention over rows [0, T_max) (generation); a call writes its
+    T_new rows at ``index``. ``key_valid`` [B, T_max] is False for prompt padding."""
+
+    k: jax.Array  # [B, T_max, H, Dh]
+    v: jax.Array
+    index: jax.Array | int
+    key_valid: jax.Array
+
+    def write(self, k: jax.Array, v: jax.Array) -> KVCache:
+        start = (0, self.index, 0, 0)
+        return self._replace(k=jax.lax.dynamic_update_slice(self.k, k.astype(self.k.dtype), start),
+                             v=jax.lax.dynamic_update_slice(self.v, v.astype(self.v.dtype), start))
+
+    def mask(self, t_new: int) -> jax.Array:
+        """[B, 1, T_new, T_max]: causal over absolute rows, padding keys hidden (a query
+        always sees itself, so a padded row's softmax stays finite)."""
+        q_idx = self.index + jnp.arange(t_new)[:, None]
+        k_idx = jnp.arange(self.k.shape[1])[None, :]
+        visible = (k_idx <= q_idx)[None] & (self.key_valid[:, None, :] | (k_idx == q_idx)[None])
+        return visible[:, None]
+
+
+def attention_branch(config: ModelConfig, w: BlockWeights, h, positions, mask,
+                     cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    """(Attn(h), cache): h [B, T, E] (normalised) → [B, T, E] in compute dtype.
+
+    With a ``cache`` the new keys/values are written into it and the queries attend over all
+    its rows (``mask`` is then ignored: the cache knows which rows are visible)."""
     cdt = compute_dtype(config)
     qkv = _dense(h, w, "qkv", "bte,eshd->btshd", cdt)  # s = the fused q/k/v axis
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     rot = rotary_dim(config)
     q = apply_rotary(q, positions, rot, config.rope_theta)
     k = apply_rotary(k, positions, rot, config.rope_theta)
+    if cache is not None:
+        cache = cache.write(k, v)
+        k, v, mask = cache.k, cache.v, cache.mask(h.shape[1])
     q = tag(constrain(q, BATCH_LENGTH_HEADS_KV), "q")
     k = tag(constrain(k, BATCH_LENGTH_HEADS_KV), "k")
     v = tag(constrain(v, BATCH_LENGTH_HEADS_KV), "v")
     ctx = tag(attention(q, k, v, mask), "attn_context")
-    return tag(_dense(ctx, w, "out", "bthd,hde->bte", cdt), "attn_out")
+    return tag(_dense(ctx, w, "out", "bthd,hde->bte", cdt), "attn_out"), cache
 
 
 def mlp_branch(config: ModelConfig, w: BlockWeights, h):
@@ -149,14 +180,19 @@ def _dropout(y, rate: float, key):
     return jnp.where(keep, y / (1.0 - rate), 0).astype(y.dtype)
 
 
-def parallel_residual(config: ModelConfig, w: BlockWeights, x, positions, mask, dropout_key=None):
-    """f(x) = Attn(Norm1(x)) + MLP(Norm2(x)) in float32, [B, T, E] → [B, T, E]."""
+def parallel_residual(config: ModelConfig, w: BlockWeights, x, positions, mask, dropout_key=None,
+                      cache: KVCache | None = None):
+    """f(x) = Attn(Norm1(x)) + MLP(Norm2(x)) in float32, [B, T, E] → [B, T, E].
+
+    With a ``cache`` (generation) it returns ``(f(x), cache)`` with the new keys/values."""
     x = constrain(x, BATCH_LENGTH_EMBED)
     k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    a = _dropout(attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask),
-                 config.dropout_rate, k1)
+    a, new_cache = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask,
+                                    cache)
+    a = _dropout(a, config.dropout_rate, k1)
     m = _dropout(mlp_branch(config, w, _norm(config, w, "norm2", x)), config.dropout_rate, k2)
-    return constrain(a.astype(jnp.float32) + m.astype(jnp.float32), BATCH_LENGTH_EMBED)
+    f = constrain(a.astype(jnp.float32) + m.astype(jnp.float32), BATCH_LENGTH_EMBED)
+    return f if cache is None else (f, new_cache)
 
 
 def sequential_residual(config: ModelConfig, w: BlockWeights, x, positions, mask,
@@ -164,7 +200,7 @@ def sequential_residual(config: ModelConfig, w: BlockWeights, x, positions, mask
     """A pre-norm GPT-2/Llama block: x + Attn(Norm1(x)), then + MLP(Norm2(·))."""
     x = constrain(x, BATCH_LENGTH_EMBED)
     k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    a = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask)
+    a, _ = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask)
     x = x + _dropout(a, config.dropout_rate, k1).astype(jnp.float32)
     m = mlp_branch(config, w, _norm(config, w, "norm2", x))
     return constrain(x + _dropout(m, config.dropout_rate, k2).astype(jnp.float32),
