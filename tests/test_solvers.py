@@ -76,3 +76,22 @@ def test_bad_arguments(kw, msg):
     args = {"num_steps": 2, **kw}
     with pytest.raises(ValueError, match=msg):
         solvers.solve(toy_field, jnp.zeros(()), **args)
+
+
+def test_remat_names_mean_what_model_config_remat_means(capsys):
+    """One remat vocabulary: solve(remat=name) saves what ModelConfig.remat=name saves
+    ('none': every named activation, 'dots_saveable': matmul outputs only, 'full': the state)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def f(x, t):
+        a = checkpoint_name(jnp.sin(x) * t, "norm1_out")  # named, not a matmul output
+        b = checkpoint_name(jnp.cos(a), "mlp_pre")  # named matmul output (common.DOT_NAMES)
+        return b * x
+
+    saved = {}
+    for name in ("none", "dots_saveable", "full"):
+        jax.ad_checkpoint.print_saved_residuals(
+            lambda x, name=name: solvers.solve(f, x, num_steps=3, remat=name).sum(), jnp.ones(4))
+        saved[name] = capsys.readouterr().out.count("output of scan")
+    # per step: state + both names / state + mlp_pre / the state alone
+    assert saved == {"none": 3, "dots_saveable": 2, "full": 1}, saved

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ode_lm.models.common import remat_policy
 from ode_lm.models.config import ADAPTIVE_SOLVERS, SOLVERS
 
 
@@ -149,8 +150,9 @@ def solve(
       the scan runs ``max_steps`` iterations and steps k >= N are skipped by a ``lax.cond``
       (one compiled program for every N ≤ max_steps: random step counts in training).
     time_offset: added to every evaluation time (the randomised grid offset).
-    remat: None/'none' (no checkpoint), 'full', 'dots_saveable', or a jax checkpoint policy
-      (callable) applied to each step.
+    remat: None (no checkpoint), a ``ModelConfig.remat`` name ('none' keeps every named
+      activation, 'dots_saveable' the matmul outputs, 'full' only the state; see
+      ``common.remat_policy``) or a jax checkpoint policy, applied to each step.
     """
     check_solver(solver)
     dynamic = not isinstance(num_steps, int)
@@ -193,15 +195,10 @@ def solve(
 
 
 def _policy(remat):
-    if remat is None or remat == "none":
-        return None
-    if callable(remat):
+    """One remat vocabulary: a name means what ``ModelConfig.remat`` means (common.remat_policy)."""
+    if remat is None or callable(remat):
         return remat
-    if remat == "full":
-        return jax.checkpoint_policies.nothing_saveable
-    if remat == "dots_saveable":
-        return jax.checkpoint_policies.dots_saveable
-    raise ValueError(f"solve: remat={remat!r}: expected none | full | dots_saveable or a policy")
+    return remat_policy(remat)
 
 
 def evaluation_times(num_steps: int | jax.Array, solver: str, t0: float = 0.0,
