@@ -11,8 +11,9 @@ So the same code covers
 
 Targets are the block's linear maps by name (``qkv``, ``out``, ``mlp_in``, ``mlp_up``,
 ``mlp_gate``, ``mlp_out``; shell patterns such as ``mlp_*`` allowed). The kernel's input axes
-(from ``vector_field.dense_specs``) are flattened into A's rows, its output axes into B's
-columns. ``merge_lora`` folds the update back for export.
+(from ``vector_field.dense_specs``) stay A's leading axes and its output axes B's trailing
+ones, with their logical names, so the factors shard like the kernel. ``merge_lora`` folds
+the update back for export.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ode_lm.models.config import ModelConfig
 from ode_lm.models.vector_field import dense_specs
 
 LORA_COLLECTION = "lora"
+LORA_RANK_AXIS = "lora_rank"  # logical axis of the rank r (replicated: r is small)
 # Parameter paths of token / position embeddings and of an untied head (optionally trainable).
 EMBEDDING_REGEX = r"(^|/)(embeddings/(token|position)|head/kernel)$"
 
@@ -64,10 +66,18 @@ class LoRATarget:
     path: tuple[Any, ...]  # path of the kernel Param inside the wrapped model
     key: str  # its name in the LoRA dict
     lead: tuple[int, ...]  # leading (stacked layer) dims
-    in_size: int
-    out_size: int
-    a_axes: tuple[str | None, ...]
-    b_axes: tuple[str | None, ...]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    a_axes: tuple[str | None, ...]  # lead + the kernel's input axes + lora_rank
+    b_axes: tuple[str | None, ...]  # lead + lora_rank + the kernel's output axes
+
+    @property
+    def in_size(self) -> int:
+        return math.prod(self.in_shape)
+
+    @property
+    def out_size(self) -> int:
+        return math.prod(self.out_shape)
 
 
 def _dense_name(path: tuple[Any, ...], names: dict) -> str | None:
@@ -99,12 +109,12 @@ def find_lora_targets(model: nnx.Module, config: ModelConfig, spec: LoRASpec) ->
         lead = shape[: len(shape) - n_in - n_out]
         axes = tuple(getattr(var, "out_sharding", None) or (None,) * len(shape))
         lead_axes = axes[: len(lead)]
-        in_size = math.prod(d.in_shape)
-        out_size = math.prod(d.out_shape)
-        a_axes = lead_axes + ((d.in_axes[0] if n_in == 1 else None), None)
-        b_axes = lead_axes + (None, (d.out_axes[0] if n_out == 1 else None))
+        # A and B keep the kernel's own axes (a qkv factor stays sharded over heads)
+        a_axes = lead_axes + tuple(d.in_axes) + (LORA_RANK_AXIS,)
+        b_axes = lead_axes + (LORA_RANK_AXIS,) + tuple(d.out_axes)
         key = "__".join(str(p) for p in path)
-        found.append(LoRATarget(path, key, lead, in_size, out_size, a_axes, b_axes))
+        found.append(LoRATarget(path, key, lead, tuple(d.in_shape), tuple(d.out_shape),
+                                a_axes, b_axes))
     unused = [p for p in spec.targets if p not in used]
     if unused:
         raise ValueError(
@@ -125,9 +135,11 @@ class LoRAModel(nnx.Module):
         for t in self.targets:
             a_init = nnx.initializers.normal(t.in_size**-0.5)
             factors[t.key] = nnx.Dict(
-                a=_lora_param(rngs.params(), a_init, t.lead + (t.in_size, spec.rank), t.a_axes),
+                a=_lora_param(rngs.params(), a_init, t.lead + (t.in_size, spec.rank),
+                              t.lead + t.in_shape + (spec.rank,), t.a_axes),
                 b=_lora_param(rngs.params(), nnx.initializers.zeros,
-                              t.lead + (spec.rank, t.out_size), t.b_axes),
+                              t.lead + (spec.rank, t.out_size),
+                              t.lead + (spec.rank,) + t.out_shape, t.b_axes),
             )
         self.lora = nnx.Dict(factors)
 
@@ -139,7 +151,10 @@ class LoRAModel(nnx.Module):
             var = flat[t.path]
             w = var[...]
             f = self.lora[t.key]
-            delta = jnp.matmul(f["a"][...], f["b"][...]) * self.scale
+            rank = f["a"].shape[-1]
+            a = f["a"][...].reshape(t.lead + (t.in_size, rank))
+            b = f["b"][...].reshape(t.lead + (rank, t.out_size))
+            delta = jnp.matmul(a, b) * self.scale
             flat[t.path] = var.replace(w + delta.reshape(w.shape).astype(w.dtype))
         return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
 
@@ -147,8 +162,10 @@ class LoRAModel(nnx.Module):
         return self.merged()(*args, **kwargs)
 
 
-def _lora_param(key, init, shape, axes) -> LoRAParam:
-    value = init(key, tuple(shape), jnp.float32)
+def _lora_param(key, init, flat_shape, shape, axes) -> LoRAParam:
+    """Drawn as the [in, r] / [r, out] matrix, then given the kernel's axes (same values as a
+    flat factor, so runs reproduce)."""
+    value = init(key, tuple(flat_shape), jnp.float32).reshape(shape)
     return LoRAParam(value, out_sharding=tuple(axes), eager_sharding=mesh_active())
 
 

@@ -38,6 +38,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("time_embed", None),    # D: hypernetwork coefficient axis
     ("time_features", None), # 2S+1: sinusoidal time features
     ("time_hidden", None),   # hidden width of the per-weight time MLP
+    ("lora_rank", None),     # rank r of the LoRA factors A [in..., r], B [r, out...]
     # --- activations ---
     ("activation_batch", ("data", "fsdp")),
     ("activation_length", None),

@@ -95,3 +95,25 @@ def test_target_matching_nothing_is_an_error():
                   nnx.Rngs(1))
     with pytest.raises(ValueError, match="rank=0"):
         LoRASpec(rank=0)
+
+
+def test_factors_carry_the_kernels_logical_axes():
+    """A qkv factor keeps the kernel's axes (heads → tensor) with a lora_rank axis."""
+    from ode_lm.partitioning import LOGICAL_AXIS_RULES, logical_to_mesh
+
+    ode = build_model(tiny_config("gpt2"), nnx.Rngs(0))
+    lora = LoRAModel(ode, ode.config, LoRASpec(rank=2, targets=("qkv", "mlp_in")), nnx.Rngs(1))
+    axes = {t.key.split("__")[-2]: t for t in lora.targets}  # ".../qkv/w0" -> "qkv"
+    cfg = ode.config
+    for t in axes.values():
+        f = lora.lora[t.key]
+        assert f["a"].out_sharding == (*t.a_axes,) and f["b"].out_sharding == (*t.b_axes,)
+        assert f["a"].shape == (*t.in_shape, 2) and f["b"].shape == (2, *t.out_shape)
+    assert axes["qkv"].b_axes == ("lora_rank", "qkv", "heads", "kv")
+    assert lora.lora[axes["qkv"].key]["b"].shape == (2, 3, cfg.num_heads, cfg.head_dim)
+    def mesh_axes(logical):
+        return tuple(logical_to_mesh(logical, LOGICAL_AXIS_RULES))
+
+    assert mesh_axes(axes["qkv"].b_axes) == (None, None, "tensor", None)
+    assert mesh_axes(axes["mlp_in"].b_axes) == (None, "tensor")
+    assert mesh_axes(axes["qkv"].a_axes) == ("fsdp", None)
