@@ -179,6 +179,7 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     from ode_lm.training import gin_setup
     from ode_lm.training.trainer import Trainer
 
+    gin_setup.check_one_binding("finetune")
     cfg = GinFinetuneConfig()
     pretrained, step = check_pretrained(cfg)
     check_tokenizer_match(cfg.pretrained_dir, data, pretrained)

@@ -101,3 +101,19 @@ def test_one_line_strips_nested_suffixes():
     e = ValueError("x=1: bad\n  In call to configurable 'A' (<class 'm.A'>)\n"
                    "  In call to configurable 'train' (<function train at 0x7f00>)")
     assert cli.one_line(e) == "x=1: bad"
+
+
+@pytest.mark.parametrize("main", [train_cli.main, ft.main], ids=["train", "finetune"])
+@pytest.mark.parametrize("knob", ["num_train_steps", "model_dir"])
+def test_one_name_per_knob(main, knob, monkeypatch, capsys):
+    """train.num_train_steps (TRAIN_STEPS) would silently override TrainConfig.num_train_steps."""
+    monkeypatch.setattr(distributed, "initialize", lambda *a, **k: None)
+    gin_file = "runs/demo.gin" if main is train_cli.main else "finetune/demo.gin"
+    value = "7" if knob == "num_train_steps" else "'/tmp/elsewhere'"
+    try:
+        assert main([f"--gin_file={gin_file}", f"--gin.TrainConfig.{knob}={value}"]) == 1
+    finally:
+        gin.clear_config()
+    err = _err(capsys)
+    entry = "train" if main is train_cli.main else "finetune"
+    assert f"TrainConfig.{knob} = " in err and f"bind {entry}.{knob}" in err, err

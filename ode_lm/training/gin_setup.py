@@ -153,6 +153,18 @@ def check_cli_macros(flags: GinFlags) -> None:
         raise ValueError(f"{source}: no loaded config uses the macro {name} ({hint})")
 
 
+def check_one_binding(entry: str, knobs: Sequence[str] = ("model_dir", "num_train_steps")) -> None:
+    """``<entry>.model_dir`` / ``.num_train_steps`` set the TrainConfig fields of the same name;
+    a ``TrainConfig.<knob>`` binding as well would be silently overridden: one name per knob."""
+    for knob in knobs:
+        try:
+            value = gin.query_parameter(f"TrainConfig.{knob}")
+        except ValueError:  # not bound: the one name is used
+            continue
+        raise ValueError(f"TrainConfig.{knob} = {value!r} is bound, but {entry}.{knob} sets "
+                         f"it: bind {entry}.{knob} (the configs' macro) only")
+
+
 @gin.configurable("train", module="ode_lm")
 def train(
     model_dir: str = gin.REQUIRED,
@@ -162,6 +174,7 @@ def train(
     report_unigram_entropy: bool = False,
 ) -> TrainResult:
     """Build everything from gin and run the loop. Returns the TrainResult."""
+    check_one_binding("train")
     trainer = Trainer(
         model_config=model,
         data_config=data,
