@@ -154,15 +154,17 @@ def bytes_per_device(x: jax.Array | jax.ShapeDtypeStruct) -> int:
     return int(math.prod(sharding.shard_shape(x.shape))) * itemsize
 
 
-def _leaf_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def path_name(path: tuple) -> str:
+    """'a/b/0/kernel' for a jax key path: the one spelling of parameter names (sharding
+    table, weight-decay and trainable predicates, checkpoints, exports)."""
+    return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
 def sharding_table(params: Any) -> tuple[str, int, int]:
     """(text table, bytes per device, total bytes) for a pytree of sharded params."""
     rows, per_dev, total = [], 0, 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        name = _leaf_name(path)
+        name = path_name(path)
         spec = getattr(getattr(leaf, "sharding", None), "spec", P())
         b = bytes_per_device(leaf)
         per_dev += b
@@ -186,7 +188,7 @@ def check_param_annotations(params: Any) -> None:
         spec = getattr(getattr(leaf, "sharding", None), "spec", None)
         if spec is not None and len(leaf.shape) and len(spec) != len(leaf.shape):
             raise ValueError(
-                f"parameter {_leaf_name(path)!r} {tuple(leaf.shape)} has partition spec "
+                f"parameter {path_name(path)!r} {tuple(leaf.shape)} has partition spec "
                 f"{spec}: it is missing a logical-axis annotation (give it sharding_names, one "
                 "logical axis per dimension; see the sharding table above)"
             )

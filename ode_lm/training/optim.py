@@ -16,6 +16,7 @@ import jax
 import optax
 
 from ode_lm.config_types import check_types
+from ode_lm.partitioning import path_name  # noqa: F401  (re-exported: optim.path_name)
 
 MaskPredicate = Callable[[str, Any], bool]
 
@@ -45,19 +46,6 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
         if self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps}: must be >= 0")
-
-
-def path_name(path: tuple) -> str:
-    """'a/b/0/kernel' for a jax key path (dict keys, sequence indices, attributes)."""
-    parts = []
-    for k in path:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
 
 
 def paper_decay(path: str, leaf: Any) -> bool:
