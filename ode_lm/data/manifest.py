@@ -194,7 +194,8 @@ def _check_shard(root: epath.Path, s: dict[str, Any]) -> str:
     if "bytes" in s and st.length != s["bytes"]:
         raise PreparedDataError(f"shard {p} is truncated or changed: {st.length} bytes, "
                                 f"manifest says {s['bytes']}")
-    key = (os.fspath(p), int(st.length), int(st.mtime or 0))
+    mtime = os.stat(p).st_mtime_ns if "://" not in os.fspath(p) else int(st.mtime or 0)
+    key = (os.fspath(p), int(st.length), mtime)
     if key in _VERIFIED:
         return os.fspath(p)
     from array_record.python.array_record_module import ArrayRecordReader
