@@ -16,8 +16,8 @@ Empty or unreadable files are skipped with a warning (once per file); a source w
 all skipped stops with one line naming it.
 
 Fallback without state (``start_step=s``): the reader starts at host file
-``floor(s * rows * (seq_len + 1) / tokens_in_host_file_0)`` with fresh slots - deterministic,
-in the right epoch, never a silent restart.
+``floor(s * rows * (seq_len + 1) / tokens_in_first_nonempty_host_file)`` with fresh slots -
+deterministic, in the right epoch, never a silent restart.
 """
 
 from __future__ import annotations
@@ -242,10 +242,13 @@ def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_coun
     tok = tok_lib.get_tokenizer(cfg.tokenizer, cfg.data_dir)
     start_file = 0
     if start_step:
-        first = files[0]
-        texts = [t for t, _ in sources_lib.iter_source_file(
-            first, sources_lib.SkippedFiles(), text_field=cfg.text_field,
-            text_delimiter=cfg.text_delimiter)]
+        texts: list[str] = []
+        for f in range(files.per_epoch):  # the first host file with documents (skip empty ones)
+            texts = [t for t, _ in sources_lib.iter_source_file(
+                files[f], sources_lib.SkippedFiles(), text_field=cfg.text_field,
+                text_delimiter=cfg.text_delimiter)]
+            if texts:
+                break
         n_tokens = sum(len(x) + 1 for x in tok.encode_batch(texts)) if texts else 0
         start_file = int(start_step * rows * (cfg.seq_len + 1) // max(1, n_tokens))
     ds: grain.IterDataset = StreamingBatchDataset(cfg=cfg, files=files, rows=rows,
