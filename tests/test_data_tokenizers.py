@@ -94,3 +94,63 @@ def test_sentencepiece(tmp_path):
 def test_bad_specs(spec, match):
     with pytest.raises((ValueError, FileNotFoundError), match=match):
         get_tokenizer(spec, "/tmp")
+
+
+def test_tiktoken_gpt2_offline_from_a_ranks_file(tmp_path, monkeypatch):
+    """The documented way: TIKTOKEN_GPT2_FILE, else TIKTOKEN_CACHE_DIR/gpt2.tiktoken."""
+    from data_helpers import small_texts, write_jsonl
+
+    from ode_lm.data import DataConfig, ensure_prepared
+
+    ranks = _tiny_tiktoken(tmp_path / "gpt2.tiktoken")
+    monkeypatch.delenv("TIKTOKEN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TIKTOKEN_GPT2_FILE", str(ranks))
+    tok = get_tokenizer("tiktoken:gpt2")
+    # GPT-2's ids: <|endoftext|> = 50256 whatever the file, tiktoken's own GPT-2 regex
+    assert (tok.vocab_size, tok.eos_id, tok.file) == (50257, 50256, str(ranks))
+    ids = tok.encode("the theme in the ✓")
+    assert 261 in ids.tolist() and tok.decode(ids) == "the theme in the ✓"
+    monkeypatch.delenv("TIKTOKEN_GPT2_FILE")
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    from_cache = get_tokenizer("tiktoken:gpt2")
+    assert from_cache.fingerprint == tok.fingerprint
+    assert from_cache.encode("the theme").tolist() == tok.encode("the theme").tolist()
+    src = write_jsonl(tmp_path / "raw.jsonl", small_texts(30))
+    cfg = DataConfig(data_dir=str(tmp_path / "p"), source=str(src), tokenizer="tiktoken:gpt2",
+                     holdout_fraction=0.2)
+    m = ensure_prepared(cfg)
+    assert (m["vocab_size"], m["eos_id"], m["tokenizer"]["sha256"]) == (50257, 50256,
+                                                                       tok.fingerprint)
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, r"TIKTOKEN_GPT2_FILE=\S+missing\.tiktoken does not exist"),
+    ("dGhl 0\nnot-base64!! 1\n", r"TIKTOKEN_GPT2_FILE=\S+: \S+bad\.tiktoken:2 is not "
+                                 r"'<base64 token> <rank>'"),
+    ("dGhl 0\n", r"TIKTOKEN_GPT2_FILE=\S+: \S+bad\.tiktoken lacks 256 of the 256 single-byte"),
+    ("big", r"has ranks up to 50300, but GPT-2's are 0\.\.50255"),
+])
+def test_tiktoken_gpt2_file_errors_name_the_env_var_and_path(tmp_path, monkeypatch, content,
+                                                             match):
+    path = tmp_path / ("missing.tiktoken" if content is None else "bad.tiktoken")
+    if content == "big":
+        _tiny_tiktoken(path)
+        path.write_text(path.read_text() + f"{base64.b64encode(b'zz').decode()} 50300\n")
+    elif content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("TIKTOKEN_GPT2_FILE", str(path))
+    with pytest.raises((ValueError, FileNotFoundError), match=match) as e:
+        get_tokenizer("tiktoken:gpt2")
+    assert "\n" not in str(e.value)
+
+
+def test_tiktoken_file_is_reread_after_an_edit(tmp_path, monkeypatch):
+    """tiktoken's own loader caches local files by path: an edited file must not go stale."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "cache"))
+    path = _tiny_tiktoken(tmp_path / "tiny.tiktoken")
+    before = get_tokenizer(f"tiktoken:{path}")
+    path.write_text(path.read_text() + f"{base64.b64encode(b'in the').decode()} 262\n")
+    after = get_tokenizer(f"tiktoken:{path}")
+    assert (before.vocab_size, after.vocab_size) == (263, 264)
+    assert after.fingerprint != before.fingerprint
+    assert not (tmp_path / "cache").exists()  # nothing written into the cache

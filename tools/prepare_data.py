@@ -9,6 +9,7 @@ Re-running skips finished chunks; an interrupted run resumes without duplicates.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from ode_lm import cli
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: all)")
     ap.add_argument("--no_progress", action="store_true")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="prepare_data: warning: %(message)s")
     delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \
         else None
     try:
@@ -42,12 +44,16 @@ def main(argv: list[str] | None = None) -> int:
                          non_utf8=args.non_utf8, holdout_fraction=args.holdout_fraction,
                          holdout_seed=args.holdout_seed, docs_per_shard=args.docs_per_shard)
         m = prepare(cfg, num_proc=args.num_proc, progress=not args.no_progress)
-    except (SourceError, PreparedDataError, ValueError, FileNotFoundError, RuntimeError) as e:
+    except (SourceError, PreparedDataError, ValueError, OSError, RuntimeError) as e:
         print(f"prepare_data: error: {e}", file=sys.stderr)
         return 2
     for split, info in m["splits"].items():
         print(f"{split}: {info['documents']} documents, {info['tokens']} tokens, "
               f"{len(info['shards'])} shards")
+    skipped = m.get("skipped_files") or {}
+    if skipped.get("empty") or skipped.get("unreadable"):
+        print(f"skipped source files: {skipped['empty']} empty, {skipped['unreadable']} unreadable "
+              "(listed in manifest.json skipped_files)")
     print(f"manifest: {cfg.data_dir}/manifest.json (vocab {m['vocab_size']}, eos {m['eos_id']})")
     return 0
 

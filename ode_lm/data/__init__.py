@@ -6,7 +6,7 @@ Public API (see WORKSPACE.md "Data"): ``DataConfig``, ``get_tokenizer``, ``padde
 """
 
 from ode_lm.data.config import DataConfig
-from ode_lm.data.eval import make_eval_batches, make_eval_iterator
+from ode_lm.data.eval import check_eval_split, make_eval_batches, make_eval_iterator
 from ode_lm.data.pipeline import make_train_iterator, to_global_batch
 from ode_lm.data.prepare import (
     PreparedDataError,
@@ -20,6 +20,7 @@ from ode_lm.data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
 
 __all__ = [
     "DataConfig", "PreparedDataError", "SourceError", "Tokenizer",
-    "check_tokenizer", "ensure_prepared", "get_tokenizer", "load_manifest", "make_eval_batches",
-    "make_eval_iterator", "make_train_iterator", "padded_vocab_size", "prepare", "to_global_batch",
+    "check_eval_split", "check_tokenizer", "ensure_prepared", "get_tokenizer", "load_manifest",
+    "make_eval_batches", "make_eval_iterator", "make_train_iterator", "padded_vocab_size",
+    "prepare", "to_global_batch",
 ]

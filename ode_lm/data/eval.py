@@ -22,6 +22,7 @@ import numpy as np
 
 from ode_lm.data import packing as packing_lib
 from ode_lm.data.config import DataConfig
+from ode_lm.data.manifest import PreparedDataError
 from ode_lm.data.pipeline import host_rows, open_split, resolve_processes
 
 
@@ -41,6 +42,32 @@ class EvalStream:
             raise ValueError(f"{cfg.data_dir}: split {split!r} holds {len(self.tokens) - 1} "
                              "tokens, "
                              f"manifest says {self.manifest_tokens}")
+
+
+def check_eval_split(cfg: DataConfig, manifest: dict[str, Any], split: str = "validation", *,
+                     process_count: int | None = None) -> int:
+    """Before training: the eval split exists and yields at least one batch (from the manifest
+    alone, no pass over the data); returns the number of eval batches. Without this a corpus
+    with no validation split would fail only after the last train step."""
+    where = f"{manifest['data_dir']}/manifest.json"
+    info = manifest["splits"].get(split)
+    if info is None:
+        raise PreparedDataError(f"{where}: no {split!r} split to evaluate on "
+                                f"(have {sorted(manifest['splits'])})")
+    if info["tokens"] < 1 or info["documents"] < 1:
+        frac = (manifest.get("holdout") or {}).get("fraction")
+        raise PreparedDataError(
+            f"{where}: the {split!r} split is empty (prepared with holdout_fraction={frac}), "
+            "but training evaluates on it; prepare with a larger DataConfig.holdout_fraction "
+            "into another data_dir")
+    if cfg.eval_max_batches is not None and cfg.eval_max_batches < 1:
+        raise ValueError(f"DataConfig.eval_max_batches={cfg.eval_max_batches}: must be >= 1 "
+                         "(or None for the whole split)")
+    _, pc = resolve_processes(None, process_count)
+    host_rows(cfg.eval_global_batch_size, pc, "eval_batch_size")
+    num_rows = -(-info["tokens"] // cfg.seq_len)
+    num_batches = -(-num_rows // cfg.eval_global_batch_size)
+    return min(num_batches, cfg.eval_max_batches or num_batches)
 
 
 def make_eval_batches(cfg: DataConfig, split: str = "validation", *,

@@ -312,8 +312,11 @@ def host_rows(global_batch: int, process_count: int, what: str = "global_batch_s
 
 
 def open_split(cfg: DataConfig, split: str) -> tuple[dict[str, Any], ShardRecords]:
+    """The split's records after the open-time checks (``ode_lm.data.manifest``): manifest,
+    tokenizer, preparation settings, and the split's shards (exist, bytes, record counts)."""
     manifest = prep.load_manifest(cfg.data_dir)
     prep.check_tokenizer(manifest, cfg.tokenizer)
+    prep.check_settings(manifest, cfg)
     paths = prep.shard_paths(manifest, split)
     info = manifest["splits"][split]
     if info["documents"] == 0:

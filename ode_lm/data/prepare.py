@@ -7,7 +7,8 @@ Layout of a prepared data dir::
   train-00000.array_record    one record per document: little-endian uint16/uint32 ids + EOS
   validation-00000.array_record
   chunks/00000.json           "chunk 0 is complete" marker with its counts (written last)
-  manifest.json               counts per split, shard list, tokenizer spec + sha256, source
+  manifest.json               counts per split, shards (records, tokens, bytes), tokenizer spec
+                              + sha256, source, skipped_files (empty / unreadable source files)
 
 The source is cut into fixed chunks of ``docs_per_shard`` documents in source order; chunk
 ``c`` becomes ``train-c`` and ``validation-c``. Every file is written to a temporary name and
@@ -40,17 +41,22 @@ from etils import epath
 from ode_lm.data import sources as sources_lib
 from ode_lm.data import tokenizers as tok_lib
 from ode_lm.data.config import DataConfig
+from ode_lm.data.manifest import (  # noqa: F401 - re-exported: the data dir's reading side
+    FORMAT,
+    MANIFEST,
+    SPLITS,
+    PreparedDataError,
+    check_settings,
+    check_tokenizer,
+    load_manifest,
+    shard_paths,
+    token_dtype,
+    verify_shards,
+)
 
-FORMAT = "ode_lm.data/1"
-MANIFEST = "manifest.json"
 SETTINGS = "prepare_settings.json"
-SPLITS = ("train", "validation")
 _SETTING_KEYS = ("source", "tokenizer", "text_field", "text_delimiter", "non_utf8",
                  "holdout_fraction", "holdout_seed", "docs_per_shard")
-
-
-class PreparedDataError(ValueError):
-    """Prepared data missing, inconsistent, truncated, or tokenized differently."""
 
 
 def is_validation(text: str, fraction: float, seed: int) -> bool:
@@ -58,10 +64,6 @@ def is_validation(text: str, fraction: float, seed: int) -> bool:
         return False
     digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=str(seed).encode()).digest()
     return int.from_bytes(digest, "little") < fraction * 2.0**64
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
 def _write_atomic(path: epath.Path, data: str | bytes) -> None:
@@ -195,8 +197,9 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
     for stray in list(root.glob("*.tmp*")) + list((root / "chunks").glob("*.tmp*")):
         stray.unlink()  # left by an interrupted run; never referenced by a marker
     start = time.perf_counter()
+    skipped = sources_lib.SkippedFiles()  # shared by both passes: each file counted once
     split_docs = lambda: sources_lib.iter_documents(  # noqa: E731
-        cfg.source, text_field=cfg.text_field, text_delimiter=cfg.text_delimiter)
+        cfg.source, text_field=cfg.text_field, text_delimiter=cfg.text_delimiter, skipped=skipped)
     if cfg.tokenizer.startswith("bpe:") and not (root / tok_lib.BPE_FILE).exists():
         n = tok_lib.bpe_vocab_size(cfg.tokenizer)
         train_texts = (t for t, bad in split_docs() if not (bad and cfg.non_utf8 == "skip")
@@ -241,17 +244,19 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
             bar.close()
     if num_docs == 0:
         raise sources_lib.SourceError(f"source {cfg.source!r}: no documents")
-    manifest = _assemble(cfg, tok, dtype, [markers[c] for c in range(num_chunks)])
+    manifest = _assemble(cfg, tok, dtype, [markers[c] for c in range(num_chunks)], skipped)
     _write_atomic(root / MANIFEST, json.dumps(manifest, indent=1))
     dt = time.perf_counter() - start
     toks = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
+    if skipped.reasons:
+        log(f"prepare: {skipped.describe()} (manifest.json skipped_files)")
     log(f"prepare: {num_docs} docs, {toks} tokens in {dt:.1f}s "
         f"({num_docs / dt:,.0f} docs/s, {toks / dt:,.0f} tokens/s) -> {root}")
     return load_manifest(root)
 
 
 def _assemble(cfg: DataConfig, tok: tok_lib.Tokenizer, dtype: str,
-              markers: list[dict[str, Any]]) -> dict[str, Any]:
+              markers: list[dict[str, Any]], skipped: sources_lib.SkippedFiles) -> dict[str, Any]:
     splits = {}
     for split in SPLITS:
         shards = [dict(m[split]) for m in markers if m[split]["path"]]
@@ -268,6 +273,7 @@ def _assemble(cfg: DataConfig, tok: tok_lib.Tokenizer, dtype: str,
         "non_utf8": {"policy": cfg.non_utf8,
                      "documents": sum(m["non_utf8_documents"] for m in markers),
                      "skipped": sum(m["skipped_documents"] for m in markers)},
+        "skipped_files": skipped.summary(),
         "docs_per_shard": cfg.docs_per_shard,
         "splits": splits,
     }
@@ -284,64 +290,15 @@ def _describe_source(cfg: DataConfig) -> dict[str, Any]:
     return info
 
 
-def load_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of a prepared dir, with ``vocab_size``/``eos_id``/``dtype`` at top level."""
-    p = epath.Path(data_dir) / MANIFEST
-    if not p.exists():
-        raise PreparedDataError(f"{p} not found: prepare the data first "
-                                "(tools/prepare_data.py or ode_lm.data.ensure_prepared)")
-    try:
-        m = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise PreparedDataError(f"{p}: not valid JSON ({e.msg})") from None
-    if m.get("format") != FORMAT:
-        raise PreparedDataError(f"{p}: format {m.get('format')!r}, expected {FORMAT!r}")
-    m["vocab_size"] = m["tokenizer"]["vocab_size"]
-    m["eos_id"] = m["tokenizer"]["eos_id"]
-    m["data_dir"] = os.fspath(data_dir)
-    return m
-
-
-def check_tokenizer(manifest: dict[str, Any], spec: str | None) -> None:
-    """Refuses data tokenized by another tokenizer than the configured one (spec or file hash)."""
-    if not spec:
-        return
-    rec = manifest["tokenizer"]
-    if spec != rec["spec"]:
-        raise PreparedDataError(f"{manifest['data_dir']}: data was tokenized with {rec['spec']!r}, "
-                                f"config says tokenizer={spec!r}")
-    tok = tok_lib.get_tokenizer(spec, manifest["data_dir"])
-    if tok.fingerprint != rec["sha256"]:
-        raise PreparedDataError(f"{manifest['data_dir']}: tokenizer {spec!r} hash "
-                                f"{tok.fingerprint[:12]} does not match the manifest's "
-                                f"{rec['sha256'][:12]}")
-
-
-def shard_paths(manifest: dict[str, Any], split: str) -> list[str]:
-    """Absolute shard paths of a split, after checking each shard's size against the manifest."""
-    if split not in manifest["splits"]:
-        raise PreparedDataError(f"{manifest['data_dir']}: no split {split!r} "
-                                f"(have {sorted(manifest['splits'])})")
-    root = epath.Path(manifest["data_dir"])
-    paths = []
-    for s in manifest["splits"][split]["shards"]:
-        p = root / s["path"]
-        if not p.exists():
-            raise PreparedDataError(f"shard {p} is missing")
-        size = p.stat().length
-        if size != s["bytes"]:
-            raise PreparedDataError(f"shard {p} is truncated or changed: {size} bytes, "
-                                    f"manifest says {s['bytes']}")
-        paths.append(os.fspath(p))
-    return paths
-
-
 def ensure_prepared(cfg: DataConfig, **kwargs: Any) -> dict[str, Any]:
-    """Prepares ``cfg`` (default: the built-in corpus) unless already done; returns the manifest."""
+    """Prepares ``cfg`` (default: the built-in corpus) unless already done; returns the manifest
+    after the checks of ``ode_lm.data.manifest`` (tokenizer, settings, every shard)."""
     if not (epath.Path(cfg.data_dir) / MANIFEST).exists():
         kwargs.setdefault("num_proc", 1)
         kwargs.setdefault("progress", False)
         prepare(cfg, **kwargs)
     manifest = load_manifest(cfg.data_dir)
     check_tokenizer(manifest, cfg.tokenizer)
+    check_settings(manifest, cfg)
+    verify_shards(manifest)
     return manifest

@@ -14,15 +14,24 @@ dropped). jsonl and parquet read ``text_field`` (OpenWebText's layout: ``text``)
 
 Documents are yielded as ``(text, bad_utf8)``: undecodable bytes are replaced by U+FFFD and
 flagged, so preparation can replace or skip them and count them in the manifest.
+
+Inside a source, a file with no documents (empty, only whitespace or blank lines, no rows) or
+one that cannot be read (permissions, I/O, a broken gzip/zstd/parquet file) is skipped with a
+warning and counted (``SkippedFiles``; the manifest's ``skipped_files``); a source with no
+documents at all is an error naming the source. Malformed content (invalid JSON, a missing
+field) is never skipped: it is an error naming the file and line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import io
 import json
+import logging
 import os
 import urllib.parse
+import zlib
 from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
@@ -35,10 +44,62 @@ JSONL_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.z
 PARQUET_EXTS = (".parquet",)
 ALL_EXTS = TEXT_EXTS + JSONL_EXTS + PARQUET_EXTS
 Document = tuple[str, bool]
+log = logging.getLogger("ode_lm.data")
 
 
 class SourceError(ValueError):
     """Bad raw input; the message names the file (and line) at fault."""
+
+
+class EmptyFileError(SourceError):
+    """A source file that holds no documents (skipped inside a source)."""
+
+
+class UnreadableFileError(SourceError):
+    """A source file that cannot be read (skipped inside a source)."""
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged or inaccessible file raises (not malformed content)."""
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error)
+    try:
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    try:
+        import pyarrow
+
+        errors += (pyarrow.ArrowException,)
+    except ImportError:
+        pass
+    return errors
+
+
+@dataclasses.dataclass
+class SkippedFiles:
+    """Source files passed over, each warned about and counted once (by path)."""
+
+    reasons: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+    def add(self, kind: str, path: str, why: str) -> None:
+        if path not in self.reasons:
+            self.reasons[path] = (kind, why)
+            log.warning("source file skipped (%s): %s", kind, why)
+
+    def count(self, kind: str) -> int:
+        return sum(k == kind for k, _ in self.reasons.values())
+
+    def summary(self) -> dict:
+        """The manifest's ``skipped_files``."""
+        return {"empty": self.count("empty"), "unreadable": self.count("unreadable"),
+                "files": {p: k for p, (k, _) in sorted(self.reasons.items())}}
+
+    def describe(self) -> str:
+        first = next(iter(self.reasons.values()), None)
+        return (f"{self.count('empty')} empty and {self.count('unreadable')} unreadable files "
+                f"skipped" + (f", e.g. {first[1]}" if first else ""))
 
 
 def file_kind(path: str) -> str:
@@ -123,7 +184,7 @@ def _open_binary(path: str) -> BinaryIO:
 def _check_nonempty(path: str) -> None:
     p = epath.Path(path)
     if p.stat().length == 0:
-        raise SourceError(f"{path}: empty file")
+        raise EmptyFileError(f"{path}: empty file")
 
 
 def iter_text_file(path: str, delimiter: str | None) -> Iterator[Document]:
@@ -133,7 +194,7 @@ def iter_text_file(path: str, delimiter: str | None) -> Iterator[Document]:
         if text.strip():
             yield text, bad
         else:
-            raise SourceError(f"{path}: empty file (only whitespace)")
+            raise EmptyFileError(f"{path}: empty file (only whitespace)")
         return
     n = 0
     for piece in text.split(delimiter):
@@ -142,7 +203,7 @@ def iter_text_file(path: str, delimiter: str | None) -> Iterator[Document]:
             n += 1
             yield piece, bad and "\ufffd" in piece
     if n == 0:
-        raise SourceError(f"{path}: no documents between delimiters {delimiter!r}")
+        raise EmptyFileError(f"{path}: no documents between delimiters {delimiter!r}")
 
 
 def iter_jsonl_file(path: str, field: str) -> Iterator[Document]:
@@ -167,7 +228,7 @@ def iter_jsonl_file(path: str, field: str) -> Iterator[Document]:
             n += 1
             yield text, bad or bad2
     if n == 0:
-        raise SourceError(f"{path}: no documents (only blank lines)")
+        raise EmptyFileError(f"{path}: no documents (only blank lines)")
 
 
 def iter_parquet_file(path: str, field: str, skip: int = 0) -> Iterator[Document]:
@@ -179,12 +240,12 @@ def iter_parquet_file(path: str, field: str, skip: int = 0) -> Iterator[Document
         try:
             pf = pq.ParquetFile(f)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types
-            raise SourceError(f"{path}: not a readable parquet file ({e})") from None
+            raise UnreadableFileError(f"{path}: not a readable parquet file ({e})") from None
         names = pf.schema_arrow.names
         if field not in names:
             raise SourceError(f"{path}: missing column {field!r} (columns: {names})")
         if pf.metadata.num_rows == 0:
-            raise SourceError(f"{path}: parquet file has no rows")
+            raise EmptyFileError(f"{path}: parquet file has no rows")
         for rg in range(pf.num_row_groups):
             rows = pf.metadata.row_group(rg).num_rows
             if skip >= rows:
@@ -199,13 +260,42 @@ def iter_parquet_file(path: str, field: str, skip: int = 0) -> Iterator[Document
 
 
 def iter_file_documents(path: str, *, text_field: str = "text",
-                        text_delimiter: str | None = None) -> Iterator[Document]:
+                        text_delimiter: str | None = None, skip: int = 0) -> Iterator[Document]:
+    """The documents of one file from the ``skip``-th on; empty or unreadable is an error."""
     kind = file_kind(path)
-    if kind == "text":
-        return iter_text_file(path, text_delimiter)
-    if kind == "jsonl":
-        return iter_jsonl_file(path, text_field)
-    return iter_parquet_file(path, text_field)
+    if kind == "parquet":
+        return iter_parquet_file(path, text_field, skip=skip)
+    it = iter_text_file(path, text_delimiter) if kind == "text" else \
+        iter_jsonl_file(path, text_field)
+    for _ in range(skip):
+        if next(it, None) is None:
+            break
+    return it
+
+
+def iter_source_file(path: str, skipped: SkippedFiles, *, text_field: str = "text",
+                     text_delimiter: str | None = None, skip: int = 0) -> Iterator[Document]:
+    """``iter_file_documents`` for a file inside a source: an empty or unreadable file ends
+    early and is recorded in ``skipped`` (a read error midway keeps the documents before it)."""
+    n = 0
+    try:
+        for doc in iter_file_documents(path, text_field=text_field,
+                                       text_delimiter=text_delimiter, skip=skip):
+            n += 1
+            yield doc
+    except EmptyFileError as e:
+        skipped.add("empty", path, str(e))
+        return
+    except UnreadableFileError as e:
+        skipped.add("unreadable", path, str(e))
+        return
+    except _read_errors() as e:
+        where = f" after {skip + n} documents" if skip + n else ""
+        msg = " ".join(str(e).split()) or type(e).__name__
+        skipped.add("unreadable", path, f"{path}: unreadable{where} ({type(e).__name__}: {msg})")
+        return
+    if n == 0 and skip == 0:
+        skipped.add("empty", path, f"{path}: no documents")
 
 
 def parse_tfds(spec: str) -> tuple[str, dict[str, str]]:
@@ -242,9 +332,10 @@ def iter_tfds(spec: str, field: str) -> Iterator[Document]:
         yield _decode(v) if isinstance(v, bytes) else _clean(str(v))
 
 
-def iter_documents(spec: str, *, text_field: str = "text",
-                   text_delimiter: str | None = None) -> Iterator[Document]:
-    """Every document of a source, in its fixed order."""
+def iter_documents(spec: str, *, text_field: str = "text", text_delimiter: str | None = None,
+                   skipped: SkippedFiles | None = None) -> Iterator[Document]:
+    """Every document of a source, in its fixed order; empty/unreadable files are skipped
+    (recorded in ``skipped``), and a source without any document is an error."""
     if is_builtin(spec):
         for d in builtin_documents():
             yield _clean(d)
@@ -252,8 +343,15 @@ def iter_documents(spec: str, *, text_field: str = "text",
     if spec.startswith("tfds:"):
         yield from iter_tfds(spec, text_field)
         return
+    skipped = SkippedFiles() if skipped is None else skipped
+    n = 0
     for path in list_files(spec):
-        yield from iter_file_documents(path, text_field=text_field, text_delimiter=text_delimiter)
+        for doc in iter_source_file(path, skipped, text_field=text_field,
+                                    text_delimiter=text_delimiter):
+            n += 1
+            yield doc
+    if n == 0:
+        raise SourceError(f"source {spec!r}: no documents ({skipped.describe()})")
 
 
 def describe_source(spec: str, files: Sequence[str] | None = None) -> dict:

@@ -12,10 +12,12 @@ each, round-robin turn). Restoring re-opens those files, skips the consumed docu
 (parquet skips whole row groups) and re-tokenizes that window: exact, and cheap.
 
 No holdout is applied in streaming mode; evaluate on a prepared validation split.
+Empty or unreadable files are skipped with a warning (once per file); a source whose files are
+all skipped stops with one line naming it.
 
 Fallback without state (``start_step=s``): the reader starts at host file
-``floor(s * rows * (seq_len + 1) / tokens_in_host_file_0)`` with fresh slots - deterministic,
-in the right epoch, never a silent restart.
+``floor(s * rows * (seq_len + 1) / tokens_in_first_nonempty_host_file)`` with fresh slots -
+deterministic, in the right epoch, never a silent restart.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 import grain
 import numpy as np
+from etils import epath
 
 from ode_lm.data import sources as sources_lib
 from ode_lm.data import tokenizers as tok_lib
@@ -66,8 +69,10 @@ class HostFiles:
 class DocReader:
     """Round-robin over ``slots`` open files; its state is a small JSON dict."""
 
-    def __init__(self, files: HostFiles, cfg: DataConfig, state: dict[str, Any]) -> None:
+    def __init__(self, files: HostFiles, cfg: DataConfig, state: dict[str, Any],
+                 skipped: sources_lib.SkippedFiles | None = None) -> None:
         self.files, self.cfg = files, cfg
+        self.skipped = skipped if skipped is not None else sources_lib.SkippedFiles()
         self.next_file = int(state["next_file"])
         self.turn = int(state["turn"])
         self.slots: list[list[int]] = [[int(f), int(c)] for f, c in state["slots"]]
@@ -84,13 +89,16 @@ class DocReader:
     def _open(self, slot: int) -> Iterator[sources_lib.Document]:
         f, consumed = self.slots[slot]
         path = self.files[f]
-        kw = {"text_field": self.cfg.text_field, "text_delimiter": self.cfg.text_delimiter}
-        if sources_lib.file_kind(path) == "parquet":
-            return sources_lib.iter_parquet_file(path, self.cfg.text_field, skip=consumed)
-        it = sources_lib.iter_file_documents(path, **kw)
-        for _ in range(consumed):
-            next(it)
-        return it
+        return sources_lib.iter_source_file(  # empty / unreadable files: warned, skipped
+            path, self.skipped, text_field=self.cfg.text_field,
+            text_delimiter=self.cfg.text_delimiter, skip=consumed)
+
+    def _check_progress(self) -> None:
+        """Every file of the source skipped (empty or unreadable): no document will ever come."""
+        if len(self.skipped.reasons) >= len(self.files.files) and \
+                set(self.skipped.reasons) >= set(self.files.files):
+            raise sources_lib.SourceError(f"streaming: source {self.cfg.source!r}: no documents "
+                                          f"({self.skipped.describe()})")
 
     def _fill(self) -> None:
         while len(self.slots) < self.cfg.interleave_files and self.files[self.next_file]:
@@ -107,6 +115,7 @@ class DocReader:
                 self._iters[s] = self._open(s)
             doc = next(self._iters[s], None)  # type: ignore[arg-type]
             if doc is None:  # file done: the next file takes its slot, same turn
+                self._check_progress()
                 path = self.files[self.next_file]
                 if path is None:
                     del self.slots[s], self._iters[s]
@@ -135,6 +144,7 @@ class StreamingBatchIterator(PackedBatchIterator):
         self._window_state: dict[int, dict[str, Any]] = {0: DocReader.initial(start_file)}
         self._reader: DocReader | None = None
         self._reader_window = -1  # the window the reader is positioned at the start of
+        self._skipped = sources_lib.SkippedFiles()  # empty/unreadable files, warned about once
 
     def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
         if self._cfg.num_workers <= 0 or len(texts) < 2:
@@ -156,7 +166,7 @@ class StreamingBatchIterator(PackedBatchIterator):
             if start is None:  # windows are read in order: load the previous one first
                 self._load_window(w - 1)
                 start = self._window_state[w]
-            self._reader = DocReader(self._files, self._cfg, start)
+            self._reader = DocReader(self._files, self._cfg, start, self._skipped)
         texts = []
         while len(texts) < self._W:
             doc = self._reader.next()
@@ -224,15 +234,22 @@ def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_coun
         raise ValueError(f"DataConfig.global_batch_size={cfg.global_batch_size} is not divisible "
                          f"by process_count={process_count}")
     rows = cfg.global_batch_size // process_count
-    files = HostFiles(sources_lib.list_files(cfg.source), cfg.seed, process_index, process_count,
-                      cfg.num_epochs)
+    paths = sources_lib.list_files(cfg.source)
+    if all(epath.Path(p).stat().length == 0 for p in paths):
+        raise sources_lib.SourceError(f"streaming: source {cfg.source!r}: no documents (all "
+                                      f"{len(paths)} files are empty)")
+    files = HostFiles(paths, cfg.seed, process_index, process_count, cfg.num_epochs)
     tok = tok_lib.get_tokenizer(cfg.tokenizer, cfg.data_dir)
     start_file = 0
     if start_step:
-        first = files[0]
-        n_tokens = sum(len(x) + 1 for x in tok.encode_batch(
-            [t for t, _ in sources_lib.iter_file_documents(
-                first, text_field=cfg.text_field, text_delimiter=cfg.text_delimiter)]))
+        texts: list[str] = []
+        for f in range(files.per_epoch):  # the first host file with documents (skip empty ones)
+            texts = [t for t, _ in sources_lib.iter_source_file(
+                files[f], sources_lib.SkippedFiles(), text_field=cfg.text_field,
+                text_delimiter=cfg.text_delimiter)]
+            if texts:
+                break
+        n_tokens = sum(len(x) + 1 for x in tok.encode_batch(texts)) if texts else 0
         start_file = int(start_step * rows * (cfg.seq_len + 1) // max(1, n_tokens))
     ds: grain.IterDataset = StreamingBatchDataset(cfg=cfg, files=files, rows=rows,
                                                   eos_id=tok.eos_id, start_file=start_file)

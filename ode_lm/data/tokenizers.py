@@ -1,6 +1,7 @@
 """Tokenizers behind one small interface, chosen by a spec string.
 
-Specs: ``tiktoken:gpt2`` (the paper's tokenizer; offline via ``TIKTOKEN_CACHE_DIR``) or
+Specs: ``tiktoken:gpt2`` (the paper's tokenizer; offline from ``$TIKTOKEN_GPT2_FILE`` or
+``$TIKTOKEN_CACHE_DIR/gpt2.tiktoken``, else tiktoken's own cache in ``TIKTOKEN_CACHE_DIR``) or
 ``tiktoken:<file.tiktoken>``, ``hf:<tokenizer.json>``, ``sentencepiece:<model>``,
 ``bpe:<vocab size>`` (a byte-level BPE trained on the corpus during preparation and saved
 as ``tokenizer.json`` next to the prepared data) and ``bytes`` (UTF-8 bytes + EOS, for tests).
@@ -12,7 +13,10 @@ training refuses data tokenized with a different tokenizer.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -80,19 +84,96 @@ class BytesTokenizer(Tokenizer):
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", "replace")
 
 
+GPT2_FILE_ENV = "TIKTOKEN_GPT2_FILE"  # path of a gpt2.tiktoken ranks file (offline gpt2)
+GPT2_RANKS_NAME = "gpt2.tiktoken"      # also looked for in $TIKTOKEN_CACHE_DIR
+GPT2_EOT = 50256
+log = logging.getLogger("ode_lm.data")
+
+
+def load_ranks(path: str, what: str) -> dict[bytes, int]:
+    """A ``.tiktoken`` ranks file (``<base64 token> <rank>`` per line), checked.
+
+    Read directly rather than through ``tiktoken.load.load_tiktoken_bpe``: that caches a
+    local file under the sha1 of its *path* in TIKTOKEN_CACHE_DIR, so an edited or replaced
+    file at the same path would silently be read from the stale copy (and the cache dir must
+    be writable). ``what`` names the file in errors (e.g. the env var it came from).
+    """
+    p = epath.Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{what}: file {path} does not exist")
+    ranks: dict[bytes, int] = {}
+    try:
+        lines = p.read_bytes().splitlines()
+    except OSError as e:
+        raise OSError(f"{what}: cannot read {path} ({e.strerror or e})") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ValueError(f"{what}: {path}:{lineno} is not '<base64 token> <rank>' "
+                             f"({line[:40]!r}); not a .tiktoken ranks file") from None
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:
+        raise ValueError(f"{what}: {path} lacks {len(missing)} of the 256 single-byte tokens "
+                         f"(e.g. byte {missing[0]}); not a byte-level BPE ranks file")
+    if len(set(ranks.values())) != len(ranks):
+        raise ValueError(f"{what}: {path} gives the same rank to two tokens")
+    return ranks
+
+
+def _gpt2_encoding(path: str, what: str):
+    """GPT-2 from a ranks file, with tiktoken's own GPT-2 regex and ``<|endoftext|>`` = 50256."""
+    import tiktoken
+    from tiktoken_ext import openai_public
+
+    ranks = load_ranks(path, what)
+    top = max(ranks.values())
+    if top >= GPT2_EOT:
+        raise ValueError(f"{what}: {path} has ranks up to {top}, but GPT-2's are 0..{GPT2_EOT - 1} "
+                         f"({GPT2_EOT} is <|endoftext|>): not the GPT-2 ranks file")
+    if len(ranks) != GPT2_EOT:
+        log.warning("%s: %s has %d ranks, GPT-2 has %d: not the GPT-2 tokenizer?", what, path,
+                    len(ranks), GPT2_EOT)
+    return tiktoken.Encoding(name="gpt2", pat_str=openai_public.r50k_pat_str,
+                             mergeable_ranks=ranks, special_tokens={ENDOFTEXT: GPT2_EOT})
+
+
+def gpt2_ranks_file() -> tuple[str, str] | None:
+    """(path, how it was found) of a local GPT-2 ranks file: ``$TIKTOKEN_GPT2_FILE`` (which
+    must then exist), else ``$TIKTOKEN_CACHE_DIR/gpt2.tiktoken``; None if neither."""
+    env = os.environ.get(GPT2_FILE_ENV)
+    if env:
+        if not epath.Path(env).exists():
+            raise FileNotFoundError(f"tokenizer 'tiktoken:gpt2': {GPT2_FILE_ENV}={env} does not "
+                                    "exist (unset it or point it at a gpt2.tiktoken ranks file)")
+        return env, f"tokenizer 'tiktoken:gpt2' ({GPT2_FILE_ENV}={env})"
+    cache = os.environ.get("TIKTOKEN_CACHE_DIR")
+    if cache and (epath.Path(cache) / GPT2_RANKS_NAME).exists():
+        path = os.fspath(epath.Path(cache) / GPT2_RANKS_NAME)
+        return path, f"tokenizer 'tiktoken:gpt2' (TIKTOKEN_CACHE_DIR={cache})"
+    return None
+
+
 class TiktokenTokenizer(Tokenizer):
-    """tiktoken: a named encoding (offline through its cache) or a local ``.tiktoken`` file."""
+    """tiktoken: a named encoding (offline through its cache) or a local ``.tiktoken`` file.
+
+    ``tiktoken:gpt2`` offline: ``$TIKTOKEN_GPT2_FILE``, else ``$TIKTOKEN_CACHE_DIR/gpt2.tiktoken``,
+    else tiktoken's own cache (``vocab.bpe`` / ``encoder.json`` under the sha1 of their URLs).
+    """
 
     def __init__(self, spec: str, name_or_path: str, num_threads: int = 2) -> None:
         import tiktoken
 
         self.spec, self.num_threads = spec, num_threads
-        if name_or_path.endswith(".tiktoken") or os.sep in name_or_path:
-            from tiktoken.load import load_tiktoken_bpe
-
-            if not epath.Path(name_or_path).exists():
-                raise FileNotFoundError(f"tokenizer {spec!r}: file {name_or_path} does not exist")
-            ranks = load_tiktoken_bpe(os.fspath(name_or_path))
+        local = gpt2_ranks_file() if name_or_path == "gpt2" else None
+        if local is not None:
+            self._enc = _gpt2_encoding(*local)
+            self.file = local[0]
+        elif name_or_path.endswith(".tiktoken") or os.sep in name_or_path:
+            ranks = load_ranks(name_or_path, f"tokenizer {spec!r}")
             eot = max(ranks.values()) + 1
             self._enc = tiktoken.Encoding(
                 name=epath.Path(name_or_path).stem, pat_str=GPT2_PAT, mergeable_ranks=ranks,
@@ -103,11 +184,14 @@ class TiktokenTokenizer(Tokenizer):
             try:
                 self._enc = tiktoken.get_encoding(name_or_path)
             except Exception as e:  # noqa: BLE001 - network / cache errors vary by version
+                hint = (f"set {GPT2_FILE_ENV}=/path/{GPT2_RANKS_NAME}, or put {GPT2_RANKS_NAME} "
+                        "(or tiktoken's own cache files) in TIKTOKEN_CACHE_DIR"
+                        if name_or_path == "gpt2" else "put its files in TIKTOKEN_CACHE_DIR")
                 raise RuntimeError(
                     f"tokenizer {spec!r}: could not load tiktoken encoding {name_or_path!r} "
-                    f"offline ({type(e).__name__}); put its files in TIKTOKEN_CACHE_DIR "
-                    f"(now {os.environ.get('TIKTOKEN_CACHE_DIR')!r}) or use "
-                    f"'tiktoken:<path to .tiktoken>'"
+                    f"offline ({type(e).__name__}); {hint} "
+                    f"(TIKTOKEN_CACHE_DIR is now {os.environ.get('TIKTOKEN_CACHE_DIR')!r}), "
+                    "or use 'tiktoken:<path to .tiktoken>'"
                 ) from None
         self.vocab_size = self._enc.n_vocab
         if ENDOFTEXT not in self._enc._special_tokens:  # noqa: SLF001

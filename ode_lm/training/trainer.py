@@ -184,7 +184,7 @@ class Trainer:
         partitioning.check_param_annotations(self.spec.abstract_params)
         self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
         if train_data is None:
-            check_vocab(model_config, data_config)
+            check_vocab(model_config, data_config, evaluate=eval_data is None)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
         self._eval_steps: dict[int | None, Callable] = {}  # jitted once per ODE step count
@@ -398,14 +398,20 @@ def default_eval_data(data_config: Any, mesh, rules):
     return (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
 
-def check_vocab(model_config: ModelConfig, data_config: Any) -> None:
-    """The model's vocabulary must cover the prepared data's token ids."""
+def check_vocab(model_config: ModelConfig, data_config: Any, evaluate: bool = True) -> None:
+    """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
+    the default eval data) the validation split holds at least one eval batch, from the
+    manifest alone. ``prepare_data_once`` has already checked the data dir itself."""
+    from ode_lm import data as data_lib
+
     manifest = prepare_data_once(data_config)
     if manifest["vocab_size"] > model_config.vocab_size:
         raise ValueError(
             f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
             f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
         )
+    if evaluate:
+        data_lib.check_eval_split(data_config, manifest)
 
 
 def restore_model(model_dir: str, step: int | None = None):
