@@ -333,3 +333,23 @@ MeshConfig.ici_parallelism = (-1, 1, 1)
     assert len(err.splitlines()) == 1, err
     assert "prepared with holdout_fraction=0.0, but DataConfig.holdout_fraction=0.2" in err, err
     assert snapshot(tmp_path / "data") == data_before
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("source", "{tmp}/nope.jsonl", "no such file or directory"),
+    ("tokenizer", "nope:1", "unknown tokenizer spec 'nope:1'"),
+    ("tokenizer", "bpe:12", "bpe vocab size must be in"),
+])
+def test_refused_preparation_makes_no_data_dir(tmp_path, field, value, message):
+    """A source that does not exist or a tokenizer that cannot work is refused before the
+    data dir is created (a half-made dir would then be 'prepared with other settings')."""
+    import dataclasses
+
+    from ode_lm.data import DataConfig
+    from ode_lm.data.prepare import prepare
+
+    cfg = DataConfig(source="builtin", tokenizer="bytes", data_dir=str(tmp_path / "new"))
+    cfg = dataclasses.replace(cfg, **{field: value.format(tmp=tmp_path)})
+    with pytest.raises((ValueError, OSError), match=message):
+        prepare(cfg, progress=False)
+    assert not (tmp_path / "new").exists()

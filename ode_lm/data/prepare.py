@@ -185,10 +185,22 @@ def _progress(total: int | None, enabled: bool):
     return tqdm(total=total, unit="doc", desc="prepare", mininterval=1.0)
 
 
+def _check_inputs(cfg: DataConfig) -> None:
+    """The source exists and the tokenizer spec can work (cheap: no document is read)."""
+    if not sources_lib.is_builtin(cfg.source) and not cfg.source.startswith("tfds:"):
+        sources_lib.list_files(cfg.source)
+    if cfg.tokenizer.startswith("bpe:"):
+        tok_lib.bpe_vocab_size(cfg.tokenizer)  # trained below, into the data dir
+    else:
+        tok_lib.get_tokenizer(cfg.tokenizer)
+
+
 def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = True,
             log=print) -> dict[str, Any]:
     """Prepares ``cfg.source`` into ``cfg.data_dir`` (idempotent, resumable); returns manifest."""
     root = epath.Path(cfg.data_dir)
+    if not (root / MANIFEST).exists():
+        _check_inputs(cfg)  # before the data dir is made: a refused run leaves nothing
     root.mkdir(parents=True, exist_ok=True)
     settings = _settings(cfg)
     _check_settings(root, settings)
