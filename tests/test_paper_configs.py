@@ -1,0 +1,95 @@
+"""The paper's runs as gin files (configs/runs/paper/, configs/finetune/paper_*.gin) give
+the values of the paper's own configs (SDML-KU/qkvflow config/*.yaml, cited in each file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gin
+import pytest
+
+from ode_lm.training import gin_setup
+
+PAPER = Path(__file__).resolve().parents[1] / "configs" / "runs" / "paper"
+
+# qkvflow yaml: hidden_dim, num_heads, num_layers, time_embed_dim, sinusodial_dim, seq_len,
+# train_batch_size, num_train_steps, learning_rate, weight_decay, beta2, epsilon, flavour
+RUNS = {
+    "owt_small": (768, 12, 12, 20, 128, 1024, 512, 20000, 6e-4, 0.1, 0.999, 1e-8, "gpt2"),
+    "owt_medium": (1024, 16, 24, 96, 128, 1024, 256, 40001, 3e-4, 0.1, 0.999, 1e-8, "gpt2"),
+    "owt_large": (1280, 20, 36, 96, 128, 1024, 256, 40001, 3e-4, 0.1, 0.999, 1e-6, "gpt2"),
+    "owt_llama_1b": (2048, 16, 16, 96, 256, 2048, 256, 40001, 3e-4, 1e-5, 0.95, 1e-8, "llama"),
+    "wikitext_small": (768, 12, 12, 20, 128, 1024, 256, 10001, 6e-4, 0.1, 0.999, 1e-8, "gpt2"),
+    "wikitext_medium": (1024, 16, 24, 48, 128, 1024, 256, 10001, 3e-4, 0.1, 0.999, 1e-8,
+                        "gpt2"),
+    "ft_pretrain_owt": (1024, 16, 18, 100, 256, 1024, 256, 10001, 3e-4, 0.1, 0.999, 1e-8,
+                        "gpt2"),
+}
+
+
+def _configs(gin_file: str, *extra: str):
+    flags = gin_setup.parse_flags([f"--gin_file={gin_file}", *extra])
+    try:
+        gin_setup.parse_gin(flags)
+        return (gin_setup.GinModelConfig(), gin_setup.GinOptimizerConfig(),
+                gin_setup.GinDataConfig(), gin.query_parameter("%TRAIN_STEPS"))
+    finally:
+        gin.clear_config()
+
+
+@pytest.mark.parametrize("run", sorted(RUNS))
+@pytest.mark.parametrize("vanilla", [False, True], ids=["ode", "vanilla"])
+def test_paper_run_has_the_papers_values(run, vanilla):
+    name = f"{run}_vanilla" if vanilla else run
+    if not (PAPER / f"{name}.gin").exists():
+        pytest.skip(f"{name}: no vanilla baseline in the paper's config")
+    model, opt, data, steps = _configs(f"runs/paper/{name}.gin")
+    width, heads, n, d, s, seq, batch, num_steps, lr, wd, b2, eps, flavour = RUNS[run]
+    assert (model.d_model, model.num_heads, model.time_embed_dim, model.sinusoidal_dim,
+            model.max_seq_len, model.flavour) == (width, heads, d, s, seq, flavour)
+    assert model.architecture == ("sequential" if vanilla else "ode")
+    assert (model.num_layers if vanilla else model.num_steps) == n
+    assert (data.seq_len, data.global_batch_size, steps) == (seq, batch, num_steps)
+    assert (opt.learning_rate, opt.weight_decay, opt.b1, opt.b2, opt.eps, opt.clip_norm,
+            opt.min_lr_ratio) == (lr, wd, 0.9, b2, eps, 1.0, 0.1)
+    assert opt.warmup_steps == int(0.01 * num_steps)  # levanter's warmup_ratio 0.01
+    assert model.dtype == "bfloat16" and model.solver == "euler"
+    assert (model.time_scale, model.time_max_period) == (1000.0, 10000.0)
+
+
+def test_weight_decay_masks_follow_train_lm():
+    """neuralode decays the embeddings only, gpt2/llama the attn/mlp kernels and embeddings,
+    llamaode everything (train_lm.py's weight_decay_modules)."""
+    from ode_lm.training.optim import make_mask_predicate
+
+    def decayed(gin_file):
+        mask = make_mask_predicate(_configs(gin_file)[1].weight_decay_mask)
+        names = ["embeddings/token", "embeddings/position", "head/kernel",
+                 "blocks/weights/qkv_kernel", "blocks/weights/qkv_bias",
+                 "blocks/weights/norm1_scale", "block/layers/mlp_in/a",
+                 "block/layers/mlp_in/time_mlp/w1"]
+        return {n for n in names if mask(n, None)}
+
+    emb = {"embeddings/token", "embeddings/position"}
+    assert decayed("runs/paper/owt_small.gin") == emb
+    assert decayed("runs/paper/owt_small_vanilla.gin") == emb | {"blocks/weights/qkv_kernel"}
+    assert len(decayed("runs/paper/owt_llama_1b.gin")) == 8
+
+
+@pytest.mark.parametrize("gin_file", ["finetune/paper_owt_wiki.gin", "finetune/paper_wiki_owt.gin"])
+def test_paper_finetune_runs(gin_file):
+    from ode_lm.finetune import GinFinetuneConfig
+
+    flags = gin_setup.parse_flags([f"--gin_file={gin_file}", "--gin.METHOD='lora'",
+                                   "--gin.FINETUNE_STEPS=12"])
+    try:
+        gin_setup.parse_gin(flags)
+        ft, opt = GinFinetuneConfig(), gin_setup.GinOptimizerConfig()
+        data = gin_setup.GinDataConfig()
+    finally:
+        gin.clear_config()
+    assert (ft.num_steps, ft.method, ft.mode, ft.lora_rank, ft.lora_alpha) == (
+        12, "lora", "materialised", 200, 8.0)
+    assert ft.train_embeddings and (data.global_batch_size, data.seq_len) == (256, 1024)
+    assert (opt.learning_rate, opt.weight_decay, opt.weight_decay_mask) == (3e-4, 0.1, "all")
+    assert ("wikitext" in data.source) == gin_file.endswith("owt_wiki.gin")
