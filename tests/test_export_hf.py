@@ -49,7 +49,9 @@ def _bpe_data(path) -> str:
 ])
 def test_sequential_baseline_exports_to_the_stock_class(tmp_path, flavour, cls, model_type):
     run, out = str(tmp_path / "run"), str(tmp_path / "hf")
-    make_run(run, tiny_config(flavour, architecture="sequential", num_layers=3, mlp_dim=48))
+    # Non-default eps / theta / MLP width: a config key mapped wrongly moves the logits.
+    make_run(run, tiny_config(flavour, architecture="sequential", num_layers=3, mlp_dim=48,
+                              norm_eps=1e-2, rope_theta=500.0))
     res = export(run, "hf", out, verify_logits=True)
     assert res.max_abs_diff < 1e-4
     with open(os.path.join(out, "config.json")) as f:
