@@ -19,12 +19,15 @@ from typing import Any
 
 import numpy as np
 
-from ode_lm.export.hf_weights import _block_arrays, _linear, _np, neox_config, neox_tensors
+from ode_lm.export.hf_weights import (
+    block_arrays,
+    linear_weight,
+    neox_config,
+    neox_tensors,
+    to_numpy,
+)
 from ode_lm.models.common import rotary_dim
 from ode_lm.models.config import ModelConfig
-
-STOCK_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
-                 "neox": "GPTNeoXForCausalLM"}
 
 
 def check_sequential(cfg: ModelConfig) -> None:
@@ -38,10 +41,10 @@ def check_sequential(cfg: ModelConfig) -> None:
 
 def gpt2_tensors(model) -> dict[str, np.ndarray]:
     cfg: ModelConfig = model.config
-    w = _block_arrays(model)
+    w = block_arrays(model)
     e = cfg.d_model
-    t = {"transformer.wte.weight": _np(model.embeddings.token[...]),
-         "transformer.wpe.weight": _np(model.embeddings.position[...])}
+    t = {"transformer.wte.weight": to_numpy(model.embeddings.token[...]),
+         "transformer.wpe.weight": to_numpy(model.embeddings.position[...])}
     for i in range(cfg.num_layers):
         p = f"transformer.h.{i}."
         for ours, theirs in (("norm1", "ln_1"), ("norm2", "ln_2")):
@@ -55,27 +58,27 @@ def gpt2_tensors(model) -> dict[str, np.ndarray]:
         t[p + "mlp.c_fc.bias"] = w["mlp_in_bias"][i]
         t[p + "mlp.c_proj.weight"] = w["mlp_out_kernel"][i]
         t[p + "mlp.c_proj.bias"] = w["mlp_out_bias"][i]
-    t["transformer.ln_f.weight"] = _np(model.head.norm_scale[...])
-    t["transformer.ln_f.bias"] = _np(model.head.norm_bias[...])
+    t["transformer.ln_f.weight"] = to_numpy(model.head.norm_scale[...])
+    t["transformer.ln_f.bias"] = to_numpy(model.head.norm_bias[...])
     return {k: np.ascontiguousarray(v) for k, v in t.items()}  # lm_head is tied to wte
 
 
 def llama_tensors(model) -> dict[str, np.ndarray]:
     cfg: ModelConfig = model.config
-    w = _block_arrays(model)
-    t = {"model.embed_tokens.weight": _np(model.embeddings.token[...])}
+    w = block_arrays(model)
+    t = {"model.embed_tokens.weight": to_numpy(model.embeddings.token[...])}
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         t[p + "input_layernorm.weight"] = w["norm1_scale"][i]
         t[p + "post_attention_layernorm.weight"] = w["norm2_scale"][i]
         for s, name in enumerate(("q_proj", "k_proj", "v_proj")):
-            t[p + f"self_attn.{name}.weight"] = _linear(w["qkv_kernel"][i][:, s], 1)
-        t[p + "self_attn.o_proj.weight"] = _linear(w["out_kernel"][i], 2)
+            t[p + f"self_attn.{name}.weight"] = linear_weight(w["qkv_kernel"][i][:, s], 1)
+        t[p + "self_attn.o_proj.weight"] = linear_weight(w["out_kernel"][i], 2)
         for ours, theirs in (("mlp_gate", "gate_proj"), ("mlp_up", "up_proj"),
                              ("mlp_out", "down_proj")):
-            t[p + f"mlp.{theirs}.weight"] = _linear(w[f"{ours}_kernel"][i], 1)
-    t["model.norm.weight"] = _np(model.head.norm_scale[...])
-    t["lm_head.weight"] = np.ascontiguousarray(_np(model.head.kernel[...]).T)
+            t[p + f"mlp.{theirs}.weight"] = linear_weight(w[f"{ours}_kernel"][i], 1)
+    t["model.norm.weight"] = to_numpy(model.head.norm_scale[...])
+    t["lm_head.weight"] = np.ascontiguousarray(to_numpy(model.head.kernel[...]).T)
     return t
 
 
