@@ -127,11 +127,18 @@ def test_verify_without_the_hf_extra_stops_before_writing(tmp_path, capsys, monk
     assert not os.path.exists(tmp_path / "x")  # checked before the export is written
 
 
-def test_sequential_baseline_cannot_map_to_hf(tmp_path, capsys):
-    run = str(tmp_path / "run")
-    make_run(run, tiny_config("llama", architecture="sequential", num_layers=2))
-    assert _cli([f"--model_dir={run}", f"--out={tmp_path / 'x'}", "--format=hf"]) == 1
-    assert "sequential llama baseline can't be mapped" in capsys.readouterr().err
+def test_sequential_baseline_hf_refusals_one_line(tmp_path, capsys):
+    """Sequential baselines export to stock classes (tests/test_export_hf.py); what those
+    classes cannot express is refused before anything is written."""
+    run = str(tmp_path / "run")  # head_dim 9: ode-lm rotates 8 channels, Llama all 9
+    make_run(run, tiny_config("llama", architecture="sequential", num_layers=2, d_model=36,
+                              num_heads=4))
+    for extra, message in ((["--format=hf"], "LlamaForCausalLM rotates all of them"),
+                           (["--format=hf", "--num_steps=4"], "--num_steps=4: a sequential")):
+        assert _cli([f"--model_dir={run}", f"--out={tmp_path / 'x'}", *extra]) == 1
+        err = capsys.readouterr().err.strip()
+        assert message in err and "\n" not in err
+        assert not os.path.exists(tmp_path / "x")
 
 
 def test_missing_run_and_missing_checkpoint(tmp_path, capsys):
@@ -162,7 +169,8 @@ def test_tokenizer_files_copied_from_prepared_data(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     assert "tokenizer.json" in copy_tokenizer(str(data), str(out))
-    assert token_ids(str(data)) == {"bos_token_id": ours.eos_id, "eos_token_id": ours.eos_id}
+    assert token_ids(str(data)) == {"bos_token_id": ours.eos_id, "eos_token_id": ours.eos_id,
+                                    "pad_token_id": ours.eos_id}
     if _hf_available():
         import transformers
 

@@ -1,8 +1,10 @@
 """Export a run: ``raw`` (hypernetwork, lossless) or ``hf`` (materialised at M steps).
 
-``hf`` picks the transformers class by flavour: neox → ``GPTNeoXForCausalLM`` (no custom
-code); gpt2 / llama → the parallel-block modelling files in ``hf_templates`` shipped with the
-checkpoint (``trust_remote_code=True``). ``hf-neox`` insists on the native class.
+``hf`` picks the transformers class by flavour and architecture: the sequential baselines →
+``GPT2LMHeadModel`` / ``LlamaForCausalLM`` / ``GPTNeoXForCausalLM`` (stock classes, no custom
+code); ODE and parallel models of the neox flavour → ``GPTNeoXForCausalLM``; gpt2 / llama →
+the parallel-block modelling files in ``hf_templates`` shipped with the checkpoint
+(``trust_remote_code=True``). ``hf-neox`` insists on the native GPTNeoX class.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import shutil
 
 import numpy as np
 
-from ode_lm.export import hf_weights, safetensors_io, tokenizer_files, verify
+from ode_lm.export import (
+    hf_sequential,
+    hf_weights,
+    safetensors_io,
+    tokenizer_files,
+    verify,
+)
 from ode_lm.export.hf_templates import TEMPLATE_FILES
 from ode_lm.export.source import load_run_model, run_data_dir
 
@@ -45,11 +53,9 @@ def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | No
             f"--format=hf-neox: a {flavour} model can't be mapped to GPTNeoXForCausalLM "
             "(it needs the neox flavour: rotary, two LayerNorms, exact GELU); use --format=hf"
         )
-    if fmt.startswith("hf") and architecture == "sequential":
-        raise ValueError(
-            f"--format={fmt}: the sequential {flavour} baseline can't be mapped to a "
-            "parallel-block transformer; export it with --format=raw"
-        )
+    if fmt.startswith("hf") and architecture == "sequential" and num_steps is not None:
+        raise ValueError(f"--num_steps={num_steps}: a sequential {flavour} baseline has a fixed "
+                         "depth (its num_layers); drop the flag")
     if fmt == "raw" and num_steps is not None:
         raise ValueError("--num_steps: a raw export keeps the continuous model; "
                          "the step count is chosen when it is loaded")
@@ -70,7 +76,10 @@ def write_hf(model, out_dir: str, fmt: str, *, num_steps: int | None, dtype: str
     pm = _materialised(model, num_steps)
     cfg = pm.config
     ids = tokenizer_files.token_ids(data_dir)
-    if cfg.flavour == "neox":
+    stock = cfg.architecture == "sequential" or cfg.flavour == "neox"
+    if cfg.architecture == "sequential":
+        tensors, config = hf_sequential.sequential_export(pm, ids)
+    elif cfg.flavour == "neox":
         tensors, config = hf_weights.neox_tensors(pm), hf_weights.neox_config(cfg, ids)
     else:
         tensors = hf_weights.remote_tensors(pm)
@@ -79,15 +88,17 @@ def write_hf(model, out_dir: str, fmt: str, *, num_steps: int | None, dtype: str
         for name in TEMPLATE_FILES:
             shutil.copyfile(os.path.join(here, name), os.path.join(out_dir, name))
     config["torch_dtype"] = config["dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-    config["ode_lm"] = {"flavour": cfg.flavour, "num_layers": cfg.num_layers,
-                        "materialised_from_steps": num_steps or source_steps}
+    config["ode_lm"] = {"flavour": cfg.flavour, "architecture": cfg.architecture,
+                        "num_layers": cfg.num_layers}
+    if cfg.architecture != "sequential":
+        config["ode_lm"]["materialised_from_steps"] = num_steps or source_steps
     files = safetensors_io.save_sharded(safetensors_io.cast(tensors, dtype), out_dir,
                                         max_shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump({k: v for k, v in ids.items()}, f, indent=2)
-    extra = [] if cfg.flavour == "neox" else list(TEMPLATE_FILES)
+        json.dump(tokenizer_files.generation_config(ids), f, indent=2)
+    extra = [] if stock else list(TEMPLATE_FILES)
     return files + ["config.json", "generation_config.json"] + extra + \
         tokenizer_files.copy_tokenizer(data_dir, out_dir)
 
@@ -110,6 +121,8 @@ def export(
     if config is None:
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
     check_request(fmt, config.flavour, config.architecture, num_steps, dtype)
+    if fmt != "raw" and config.architecture == "sequential":
+        hf_sequential.check_sequential(config)
     if out_dir and os.path.exists(out_dir) and os.listdir(out_dir):
         raise FileExistsError(f"--out={out_dir}: directory exists and is not empty")
     if verify_logits and fmt != "raw":

@@ -22,25 +22,27 @@ from ode_lm.models.common import rotary_dim
 from ode_lm.models.config import ModelConfig
 
 
-def _np(x) -> np.ndarray:
+def to_numpy(x) -> np.ndarray:
+    """A (possibly sharded) jax array as host float32."""
     return np.asarray(jax.device_get(x), np.float32)
 
 
-def _linear(kernel: np.ndarray, n_in: int) -> np.ndarray:
+def linear_weight(kernel: np.ndarray, n_in: int) -> np.ndarray:
     """[*in, *out] kernel → torch [out, in] weight."""
     in_size = int(np.prod(kernel.shape[:n_in]))
     return np.ascontiguousarray(kernel.reshape(in_size, -1).T)
 
 
-def _block_arrays(model) -> dict[str, np.ndarray]:
-    return {k: _np(v) for k, v in model.blocks.stacked().items()}
+def block_arrays(model) -> dict[str, np.ndarray]:
+    """A discrete model's stacked block weights, name → host float32 [L, ...]."""
+    return {k: to_numpy(v) for k, v in model.blocks.stacked().items()}
 
 
 def neox_tensors(model) -> dict[str, np.ndarray]:
     cfg: ModelConfig = model.config
-    w = _block_arrays(model)
+    w = block_arrays(model)
     e = cfg.d_model
-    t: dict[str, np.ndarray] = {"gpt_neox.embed_in.weight": _np(model.embeddings.token[...])}
+    t: dict[str, np.ndarray] = {"gpt_neox.embed_in.weight": to_numpy(model.embeddings.token[...])}
     for i in range(cfg.num_layers):
         p = f"gpt_neox.layers.{i}."
         t[p + "input_layernorm.weight"] = w["norm1_scale"][i]
@@ -50,16 +52,16 @@ def neox_tensors(model) -> dict[str, np.ndarray]:
         qkv = w["qkv_kernel"][i].transpose(2, 1, 3, 0)  # [E,3,H,Dh] → [H,3,Dh,E]
         t[p + "attention.query_key_value.weight"] = qkv.reshape(3 * e, e)
         t[p + "attention.query_key_value.bias"] = w["qkv_bias"][i].transpose(1, 0, 2).reshape(-1)
-        t[p + "attention.dense.weight"] = _linear(w["out_kernel"][i], 2)
+        t[p + "attention.dense.weight"] = linear_weight(w["out_kernel"][i], 2)
         t[p + "attention.dense.bias"] = w["out_bias"][i]
-        t[p + "mlp.dense_h_to_4h.weight"] = _linear(w["mlp_in_kernel"][i], 1)
+        t[p + "mlp.dense_h_to_4h.weight"] = linear_weight(w["mlp_in_kernel"][i], 1)
         t[p + "mlp.dense_h_to_4h.bias"] = w["mlp_in_bias"][i]
-        t[p + "mlp.dense_4h_to_h.weight"] = _linear(w["mlp_out_kernel"][i], 1)
+        t[p + "mlp.dense_4h_to_h.weight"] = linear_weight(w["mlp_out_kernel"][i], 1)
         t[p + "mlp.dense_4h_to_h.bias"] = w["mlp_out_bias"][i]
-    t["gpt_neox.final_layer_norm.weight"] = _np(model.head.norm_scale[...])
-    t["gpt_neox.final_layer_norm.bias"] = _np(model.head.norm_bias[...])
+    t["gpt_neox.final_layer_norm.weight"] = to_numpy(model.head.norm_scale[...])
+    t["gpt_neox.final_layer_norm.bias"] = to_numpy(model.head.norm_bias[...])
     # 'embed_out' is the name every transformers version loads (v5 renames it to lm_head).
-    t["embed_out.weight"] = np.ascontiguousarray(_np(model.head.kernel[...]).T)
+    t["embed_out.weight"] = np.ascontiguousarray(to_numpy(model.head.kernel[...]).T)
     return t
 
 
@@ -99,11 +101,11 @@ def neox_config(cfg: ModelConfig, token_ids: dict[str, int]) -> dict[str, Any]:
 
 def remote_tensors(model) -> dict[str, np.ndarray]:
     cfg: ModelConfig = model.config
-    w = _block_arrays(model)
+    w = block_arrays(model)
     e = cfg.d_model
-    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": _np(model.embeddings.token[...])}
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": to_numpy(model.embeddings.token[...])}
     if model.embeddings.position is not None:
-        t["model.embed_positions.weight"] = _np(model.embeddings.position[...])
+        t["model.embed_positions.weight"] = to_numpy(model.embeddings.position[...])
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         for ours, theirs in (("norm1", "attn_norm"), ("norm2", "mlp_norm")):
@@ -112,21 +114,21 @@ def remote_tensors(model) -> dict[str, np.ndarray]:
                 t[p + f"{theirs}.bias"] = w[f"{ours}_bias"][i]
         qkv = w["qkv_kernel"][i].transpose(1, 2, 3, 0)  # [E,3,H,Dh] → [3,H,Dh,E]
         t[p + "attn.qkv.weight"] = qkv.reshape(3 * e, e)
-        t[p + "attn.out.weight"] = _linear(w["out_kernel"][i], 2)
+        t[p + "attn.out.weight"] = linear_weight(w["out_kernel"][i], 2)
         if "qkv_bias" in w:
             t[p + "attn.qkv.bias"] = w["qkv_bias"][i].reshape(-1)
             t[p + "attn.out.bias"] = w["out_bias"][i]
         ups = ({"mlp_gate": "gate", "mlp_up": "up"} if cfg.flavour == "llama"
                else {"mlp_in": "up"})
         for ours, theirs in {**ups, "mlp_out": "down"}.items():
-            t[p + f"mlp.{theirs}.weight"] = _linear(w[f"{ours}_kernel"][i], 1)
+            t[p + f"mlp.{theirs}.weight"] = linear_weight(w[f"{ours}_kernel"][i], 1)
             if f"{ours}_bias" in w:
                 t[p + f"mlp.{theirs}.bias"] = w[f"{ours}_bias"][i]
-    t["model.final_norm.weight"] = _np(model.head.norm_scale[...])
+    t["model.final_norm.weight"] = to_numpy(model.head.norm_scale[...])
     if model.head.norm_bias is not None:
-        t["model.final_norm.bias"] = _np(model.head.norm_bias[...])
+        t["model.final_norm.bias"] = to_numpy(model.head.norm_bias[...])
     if model.head.kernel is not None:
-        t["lm_head.weight"] = np.ascontiguousarray(_np(model.head.kernel[...]).T)
+        t["lm_head.weight"] = np.ascontiguousarray(to_numpy(model.head.kernel[...]).T)
     return t
 
 

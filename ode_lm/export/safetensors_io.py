@@ -34,6 +34,27 @@ def cast(tensors: Mapping[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]
     return out
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where /proc allows (no race)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _save_file(tensors: Mapping[str, np.ndarray], path: str, metadata: Mapping[str, str]) -> None:
+    """``safetensors`` writes a private (0600) temp file and renames it; give the result the
+    mode any other file gets (0666 & ~umask), so a shared export is readable like its JSON."""
+    save_file(dict(tensors), path, metadata=dict(metadata))
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def save_sharded(
     tensors: Mapping[str, np.ndarray],
     out_dir: str,
@@ -55,13 +76,13 @@ def save_sharded(
         shards[-1][name] = tensors[name]
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, WEIGHTS_NAME), metadata=meta)
+        _save_file(shards[0], os.path.join(out_dir, WEIGHTS_NAME), meta)
         return [WEIGHTS_NAME]
     n = len(shards)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     weight_map = {}
     for fname, shard in zip(names, shards, strict=True):
-        save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+        _save_file(shard, os.path.join(out_dir, fname), meta)
         weight_map.update({k: fname for k in shard})
     total = sum(int(x.nbytes) for x in tensors.values())
     with open(os.path.join(out_dir, INDEX_NAME), "w") as f:

@@ -1,8 +1,9 @@
 """Tokenizer files of a run's prepared data, copied next to an `hf` export.
 
 ``bpe:<n>`` and ``hf:<file>`` tokenizers are a ``tokenizer.json`` that transformers loads as
-``PreTrainedTokenizerFast``; sentencepiece models are copied as ``tokenizer.model``. Other
-tokenizers (tiktoken, bytes) are recorded in ``ode_lm_tokenizer.json`` only.
+``PreTrainedTokenizerFast`` (pad token = EOS, left padding, so batched ``generate`` works);
+sentencepiece models are copied as ``tokenizer.model``. Other tokenizers (tiktoken, bytes)
+are recorded in ``ode_lm_tokenizer.json`` only.
 """
 
 from __future__ import annotations
@@ -23,13 +24,18 @@ def _manifest(data_dir: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def token_ids(data_dir: str | None) -> dict[str, int]:
-    """bos/eos ids for config.json (both the EOS; GPT-2 style documents are EOS-separated)."""
+def token_ids(data_dir: str | None) -> dict[str, int | None]:
+    """bos/eos/pad ids for config.json: all the EOS (GPT-2 style documents are EOS-separated;
+    padding is masked out, so any id will do). None without a tokenizer, so a stock class's
+    defaults (GPT-2's 50256, Llama's 1/2) never stand in for ids this vocabulary lacks."""
     m = _manifest(data_dir) if data_dir else None
     eos = _eos_id(m)
-    if eos is None:
-        return {}
-    return {"bos_token_id": eos, "eos_token_id": eos}
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+
+
+def generation_config(ids: dict[str, int | None]) -> dict[str, object]:
+    """generation_config.json: the token ids ``generate`` uses (greedy by default)."""
+    return {**ids, "do_sample": False, "_from_model_config": False}
 
 
 def _eos_id(m: dict[str, Any] | None) -> int | None:
@@ -56,9 +62,11 @@ def copy_tokenizer(data_dir: str | None, out_dir: str) -> list[str]:
     if src and os.path.exists(src):
         shutil.copyfile(src, os.path.join(out_dir, "tokenizer.json"))
         eos = _eos_token(src, _eos_id(m))
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30}
+        # Left padding: batched generate() appends after each row's last real token.
+        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 1 << 30,
+               "padding_side": "left"}
         if eos is not None:
-            cfg.update(eos_token=eos, bos_token=eos, unk_token=eos)
+            cfg.update(eos_token=eos, bos_token=eos, unk_token=eos, pad_token=eos)
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         written += ["tokenizer.json", "tokenizer_config.json"]

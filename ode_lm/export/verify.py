@@ -34,13 +34,24 @@ def require_hf() -> None:
                           "installed); install them with: pip install -e '.[hf]'")
 
 
+def needs_remote_code(export_dir: str) -> bool:
+    """True for exports that ship modelling files (``auto_map`` in config.json)."""
+    import json
+    import os
+
+    with open(os.path.join(export_dir, "config.json")) as f:
+        return "auto_map" in json.load(f)
+
+
 def hf_logits(export_dir: str, tokens: np.ndarray) -> np.ndarray:
+    """Loaded as a user would: stock classes without ``trust_remote_code``."""
     require_hf()
     import torch
     import transformers
 
+    kw = {"trust_remote_code": True} if needs_remote_code(export_dir) else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        export_dir, trust_remote_code=True, dtype=torch.float32)
+        export_dir, dtype=torch.float32, **kw)
     model.eval()
     with torch.no_grad():
         out = model(input_ids=torch.as_tensor(tokens))

@@ -29,6 +29,7 @@ class OdeLMConfig(PretrainedConfig):
         tied_head: bool = True,
         ode_flavour: str = "gpt2",
         ode_solver_steps: int = 12,
+        use_cache: bool = True,
         **kwargs,
     ):
         self.vocab_size = vocab_size
@@ -49,5 +50,6 @@ class OdeLMConfig(PretrainedConfig):
         self.tied_head = tied_head
         self.ode_flavour = ode_flavour
         self.ode_solver_steps = ode_solver_steps
+        self.use_cache = use_cache  # generate() keeps a DynamicCache (one layer per layer)
         kwargs.setdefault("tie_word_embeddings", False)  # the tied head is computed explicitly
         super().__init__(**kwargs)
