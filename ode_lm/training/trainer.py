@@ -249,12 +249,13 @@ class Trainer:
         )
         watcher = ckpt_lib.PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {})
-        window, window_steps, pending = None, 0, None
-        throughput = metrics_lib.Throughput()
+        pending = None
+        window = metrics_lib.MetricWindow(tokens_per_step=tokens_per_step, flops_per_token=fpt,
+                                          peak_flops=peak, total_steps=cfg.num_train_steps)
 
-        def consume(step_done: int, outputs: dict) -> None:
-            """Host side of a finished step (read one step late)."""
-            nonlocal window, window_steps
+        def consume(step_done: int, outputs: dict, steady: bool = True) -> None:
+            """Host side of a finished step (read one step late; ``steady``: read inside the
+            loop, one step after the previous read, so the interval times one step)."""
             outputs = jax.device_get(outputs)
             loss = float(outputs["loss"])
             if result.first_loss is None:
@@ -266,26 +267,10 @@ class Trainer:
                     f"gradient (last at step {step_done}); aborting. Lower the learning rate or "
                     "check the data."
                 )
-            window = metrics_lib.accumulate(window, outputs)
-            window_steps += 1
+            window.add(outputs, steady=steady)
             if step_done % cfg.log_every and step_done != cfg.num_train_steps:
                 return
-            values = {k: float(v) for k, v in window.compute().items()}
-            tok_s, step_time = throughput.lap(window_steps, window_steps * tokens_per_step)
-            mfu = metrics_lib.mfu(fpt, tok_s, peak)
-            scalars = {f"train/{k}": v for k, v in values.items()}
-            scalars.update({
-                "train/tokens_per_second": tok_s,
-                "train/step_time": step_time,
-                "train/tokens_seen": step_done * tokens_per_step,
-            })
-            if math.isfinite(mfu):
-                scalars["train/mfu"] = mfu
-            writer.write_scalars(step_done, scalars)
-            eta = (cfg.num_train_steps - step_done) * step_time
-            self.print(metrics_lib.progress_line(
-                step_done, cfg.num_train_steps, values["loss"], tok_s, mfu, eta))
-            window, window_steps = None, 0
+            self.print(window.log(step_done, writer))
 
         step = start
         try:
@@ -299,14 +284,14 @@ class Trainer:
                     pending = (step, outputs)
                     self.checkpointer.save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
-                        consume(*pending)
+                        consume(*pending, steady=False)
                         pending = None
                         self._log_eval(writer, step, self.evaluate(state["params"], step))
                     if watcher.should_stop(step):
                         result.preempted = True
                         break
                 if pending is not None:
-                    consume(*pending)
+                    consume(*pending, steady=False)
                     pending = None
             self.checkpointer.save(step, state, data_iterator, force=True)
             self.checkpointer.wait()
