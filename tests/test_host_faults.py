@@ -99,21 +99,25 @@ WORKER = textwrap.dedent("""
     model_dir, num_train_steps, heartbeat = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     B, T, V = 8, 16, 64
 
-    def train_data(data_config, mesh, rules, start_step):
+    def global_batch(seed, mesh, rules):
+        # the batch of a step depends only on the step: exact on resume
         import jax, numpy as np
         from ode_lm.partitioning import batch_sharding
 
         sharding = batch_sharding(mesh, rules)
-        def batches():  # the batch of a step depends only on the step: exact on resume
+        tokens = np.random.default_rng(seed).integers(0, V, (B, T + 1), dtype=np.int32)
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+                 "segment_ids": np.ones((B, T), np.int32),
+                 "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
+                 "loss_mask": np.ones((B, T), np.float32)}
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
+                for k, v in batch.items()}
+
+    def train_data(data_config, mesh, rules, start_step):
+        def batches():
             step = start_step
             while True:
-                tokens = np.random.default_rng(step).integers(0, V, (B, T + 1), dtype=np.int32)
-                batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-                         "segment_ids": np.ones((B, T), np.int32),
-                         "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)),
-                         "loss_mask": np.ones((B, T), np.float32)}
-                yield {k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
-                       for k, v in batch.items()}
+                yield global_batch(step, mesh, rules)
                 step += 1
         return None, batches()
 
@@ -132,10 +136,12 @@ WORKER = textwrap.dedent("""
                                      log_every=1),
             optimizer_config=OptimizerConfig(learning_rate=1e-2, warmup_steps=2),
             checkpoint_config=CheckpointConfig(save_every=1, max_to_keep=2),
-            train_data=train_data, eval_data=lambda *a: []).run()
+            train_data=train_data,
+            eval_data=lambda d, mesh, rules: [global_batch(10_000, mesh, rules)]).run()
 
     def report(result):
-        sys.stdout.write("RESULT " + json.dumps({"step": result.step}) + "\\n")
+        sys.stdout.write("RESULT " + json.dumps({"step": result.step, "eval": result.eval})
+                         + "\\n")
         return 0
 
     bindings = f"DistributedConfig.heartbeat_timeout_seconds = {heartbeat}"
@@ -181,7 +187,7 @@ def losses(model_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DISTRIBUTED, reason="jax.distributed runtime not available")
 def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_path):
-    from test_multihost import free_port
+    from test_multihost import free_port, result_line
 
     from ode_lm.training.checkpoint import tree_equal
     from ode_lm.training.trainer import restore_model
@@ -214,12 +220,15 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     saved = checkpoint_steps(killed)
     assert saved and saved[-1] < STEPS, saved
 
-    for rc, _, err in finish(ref_job, timeout=600):
+    ref_results = finish(ref_job, timeout=600)
+    for rc, _, err in ref_results:
         assert rc == 0, err[-3000:]
+    ref_out = ref_results[0][1]
     relaunch = finish(start_job(script, killed, free_port()), timeout=600)
     for rc, _, err in relaunch:
         assert rc == 0, err[-3000:]
     assert "resumed from step" in relaunch[0][1], relaunch[0][1][-2000:]
+    assert result_line(relaunch[0][1]) == result_line(ref_out), ref_out[-2000:]
     assert losses(killed) == losses(reference) and sorted(losses(killed)) == list(
         range(1, STEPS + 1))
     params = [restore_model(str(d)) for d in (reference, killed)]
@@ -227,3 +236,49 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     from flax import nnx
 
     assert tree_equal(nnx.state(params[0][0], nnx.Param), nnx.state(params[1][0], nnx.Param))
+
+
+# ------------------------------------------------- a failed run's stderr is its one line
+
+LATE_FAILURE_GIN = """
+include 'models/tiny.gin'
+include 'data/builtin.gin'
+D_MODEL = 32
+NUM_HEADS = 2
+ODE_STEPS = 2
+TIME_EMBED_DIM = 4
+SEQ_LEN = 32
+VOCAB_SIZE = 128
+TOKENIZER = 'bytes'
+DATA_DIR = '{data_dir}'
+MODEL_DIR = '{model_dir}'
+ModelConfig.sinusoidal_dim = 4
+train.model_dir = %MODEL_DIR
+train.num_train_steps = 2
+"""
+
+
+@pytest.mark.slow
+def test_late_failure_prints_only_its_line_and_table_needs_verbose(tmp_path):
+    """VOCAB_SIZE=128 under the bytes tokenizer fails in check_vocab, after the mesh, the
+    abstract state and the sharding table: stderr is the one error line; the table shows on
+    the console with --verbose only (and sharding.txt is written only by a run that starts)."""
+    from data_helpers import builtin_config
+
+    data = builtin_config("bytes")  # prepared here, so the CLI run logs no preparation
+    model_dir = tmp_path / "run"
+    gin_file = tmp_path / "late.gin"
+    gin_file.write_text(LATE_FAILURE_GIN.format(data_dir=data.data_dir, model_dir=model_dir))
+    cmd = [sys.executable, "-m", "ode_lm.train", f"--gin_file={gin_file}"]
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 1
+    assert plain.stderr.splitlines() == [
+        "ode-lm-train: error: ModelConfig.vocab_size=128 is smaller than the tokenizer's 257 "
+        f"(bytes in {data.data_dir})"], plain.stderr
+    assert not (model_dir / "sharding.txt").exists()
+    verbose = subprocess.run([*cmd, "--verbose"], capture_output=True, text=True, timeout=300)
+    assert verbose.returncode == 1
+    lines = verbose.stderr.splitlines()
+    assert lines[-1] == plain.stderr.strip()
+    assert "parameter sharding on mesh {'data': 1, 'fsdp': 8, 'tensor': 1}:" in lines
+    assert any(x.startswith("block/") for x in lines), verbose.stderr

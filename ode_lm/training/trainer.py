@@ -174,7 +174,7 @@ class Trainer:
             model_fn or default_model_fn(model_config), tx, self.mesh, self.rules, trainable
         )
         table, _, _ = partitioning.sharding_table(self.spec.abstract_params)
-        log.info("parameter sharding on mesh %s:\n%s", dict(self.mesh.shape), table)
+        partitioning.log_sharding_table(self.mesh, table)
         self.sharding_table = table
         partitioning.check_param_annotations(self.spec.abstract_params)
         self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
@@ -230,6 +230,7 @@ class Trainer:
         if resumed and not self.checkpointer.data_restored(start):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
         self._write_run_files()
+        partitioning.write_sharding_table(cfg.model_dir, self.mesh, self.sharding_table)
         writer = metrics_lib.create_writer(cfg.model_dir)
         if self.operative_config is not None:
             writer.write_texts(start, {"config": _markdown_code(self.operative_config())})
