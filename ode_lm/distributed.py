@@ -324,9 +324,19 @@ def _stop_watchdog() -> None:
         _watchdog = None
 
 
+def _from_runtime(error: BaseException | None, depth: int = 0) -> bool:
+    """A JaxRuntimeError, or an error raised while handling one (a ``finally`` clean-up)."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return True
+    return _from_runtime(error.__cause__ or error.__context__, depth + 1)
+
+
 def wait_for_lost_peer(error: BaseException) -> None:
     """Before reporting ``error``: if it is a JAX runtime error in a multi-process job, wait
-    (at most the heartbeat timeout) for the watchdog to confirm a lost process.
+    (at most the heartbeat timeout) for the watchdog to confirm a lost process. An error
+    raised while handling one (a clean-up in a ``finally``) counts too.
 
     A peer's death often surfaces first as a failed collective ("Gloo AllGather failed ...
     Connection reset by peer") long before the heartbeat timeout; the watchdog's line, which
@@ -334,7 +344,7 @@ def wait_for_lost_peer(error: BaseException) -> None:
     error, or none confirmed in time, returns at once / after the wait, to be reported as is.
     """
     dog = _watchdog
-    if dog is None or not isinstance(error, jax.errors.JaxRuntimeError):
+    if dog is None or not _from_runtime(error):
         return
     deadline = time.monotonic() + dog.heartbeat_timeout + 2 * dog.poll_seconds
     while time.monotonic() < deadline and dog.is_alive():

@@ -282,3 +282,25 @@ def test_late_failure_prints_only_its_line_and_table_needs_verbose(tmp_path):
     assert lines[-1] == plain.stderr.strip()
     assert "parameter sharding on mesh {'data': 1, 'fsdp': 8, 'tensor': 1}:" in lines
     assert any(x.startswith("block/") for x in lines), verbose.stderr
+
+
+def test_wait_for_lost_peer_only_after_runtime_errors(monkeypatch):
+    """A failed collective waits for the watchdog's verdict; a config error does not wait."""
+    import jax
+
+    lost = []
+    client = FakeClient(live={0, 1})
+    # an hour's heartbeat timeout: waiting on the wrong error would hang this test
+    dog = distributed.PeerWatchdog(client, 2, 0, 3600, 0.01, on_lost=lost.append).start()
+    monkeypatch.setattr(distributed, "_watchdog", dog)
+    distributed.wait_for_lost_peer(ValueError("DataConfig.seq_len=0"))  # returns at once
+    assert dog.is_alive() and not lost
+    client.live = {0}
+    try:
+        raise jax.errors.JaxRuntimeError("Gloo AllGather failed: Connection reset by peer")
+    except jax.errors.JaxRuntimeError:
+        try:
+            raise OSError("checkpoint clean-up failed")  # raised in a finally
+        except OSError as cleanup:
+            distributed.wait_for_lost_peer(cleanup)  # returns once the watchdog reported
+    assert not dog.is_alive() and len(lost) == 1 and "lost process 1 of 2" in lost[0]
