@@ -73,29 +73,32 @@ def step_outputs(loss: float) -> dict:
                 num_steps=2, kinetic_energy=0.0)
 
 
-def drive(tmp_path, reads, log_steps, total):
-    """Feed (step, read time, steady) reads through a window; the rows and lines written."""
+def drive(tmp_path, reads, log_steps, total, restart_after=()):
+    """Feed (step, read time, steps dispatched) reads through a window, as the trainer does;
+    the rows written to metrics.jsonl and the progress lines."""
     clock = FakeClock()
     window = metrics.MetricWindow(tokens_per_step=1000, flops_per_token=6e3, peak_flops=1e9,
                                   total_steps=total, clock=clock)
     writer = metrics.create_writer(str(tmp_path), process_index=0)
     lines = []
-    for step, at, steady in reads:
+    for step, at, dispatched in reads:
         clock.now = at
-        window.add(step_outputs(float(step)), steady=steady)
+        window.add(step_outputs(float(step)), dispatched=dispatched)
         if step in log_steps:
             lines.append(window.log(step, writer))
+        if step in restart_after:
+            window.restart()
     writer.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return rows, lines
 
 
 def test_window_throughput_over_timed_steps_only(tmp_path):
-    """log_every=3, 7 steps: the first read only starts the clock, the drained last one
-    (no step dispatched since the read before) times nothing."""
-    reads = [(1, 110.0, True), (2, 111.0, True), (3, 112.0, True),  # step 1's read: compile
-             (4, 113.5, True), (5, 115.0, True), (6, 116.5, True),
-             (7, 116.6, False)]  # drained right after step 6's read: 0.1 s is not a step
+    """log_every=3, 7 steps: step k is read after step k+1 is dispatched; the first read only
+    starts the clock, the drained last one (nothing dispatched since) times nothing."""
+    reads = [(1, 110.0, 2), (2, 111.0, 3), (3, 112.0, 4),  # step 1's interval: the compile
+             (4, 113.5, 5), (5, 115.0, 6), (6, 116.5, 7),
+             (7, 116.6, 7)]  # drained right after step 6's read: 0.1 s is not a step
     rows, lines = drive(tmp_path, reads, {3, 6, 7}, total=7)
     assert [r["step"] for r in rows] == [3, 6, 7]
     assert rows[0]["train/step_time"] == pytest.approx(1.0)  # steps 2, 3 timed
@@ -113,7 +116,7 @@ def test_window_throughput_over_timed_steps_only(tmp_path):
 
 
 def test_window_single_step_run_writes_no_throughput(tmp_path):
-    rows, lines = drive(tmp_path, [(1, 5.0, False)], {1}, total=1)
+    rows, lines = drive(tmp_path, [(1, 5.0, 1)], {1}, total=1)
     assert rows == [{"step": 1, "train/loss": 1.0, "train/grad_norm": 1.0,
                      "train/param_norm": 3.0, "train/learning_rate": pytest.approx(0.1),
                      "train/skipped_steps": 0.0, "train/num_steps": 2.0,
@@ -121,12 +124,16 @@ def test_window_single_step_run_writes_no_throughput(tmp_path):
     assert lines == ["step 1/1 | loss 1.0000 | n/a tok/s | MFU n/a | ETA 0s"]
 
 
-def test_window_eval_read_restarts_the_clock(tmp_path):
-    """log_every=1 with an eval after step 2: step 2 is read at once (not steady), step 3's
-    read follows the eval and only restarts the clock; step 4 is timed again."""
-    reads = [(1, 10.0, True), (2, 10.2, False), (3, 50.0, True), (4, 51.0, True),
-             (5, 51.1, False)]
-    rows, lines = drive(tmp_path, reads, {1, 2, 3, 4, 5}, total=5)
+def test_window_around_checkpoints_and_evals(tmp_path):
+    """Step 2 is read at once for its checkpoint (nothing dispatched since step 1's read),
+    then an eval; step 3's read (2 dispatches later) and the eval time nothing. With a save
+    every step (steps 5, 6 read right after their own dispatch) each interval is one step."""
+    reads = [(1, 10.0, 2), (2, 10.2, 2), (3, 50.0, 4), (4, 51.0, 5), (5, 52.0, 5),
+             (6, 54.0, 6), (7, 54.1, 6)]
+    rows, lines = drive(tmp_path, reads, {1, 2, 3, 4, 5, 6, 7}, total=7, restart_after={2})
     timed = {r["step"]: r["train/step_time"] for r in rows if "train/step_time" in r}
-    assert timed == {4: pytest.approx(1.0)}
-    assert "ETA ?" in lines[0] and "ETA 1s" in lines[3]
+    assert timed == {4: pytest.approx(1.0), 6: pytest.approx(2.0)}
+    assert "ETA ?" in lines[0] and "ETA 3s" in lines[3]  # 3 x 1 s
+    # without the restart after the eval, step 3's read is still not timed (2 dispatches)
+    rows, _ = drive(tmp_path / "no_restart", reads[:3], {3}, total=7)
+    assert "train/step_time" not in rows[0]

@@ -254,14 +254,15 @@ def progress_line(step: int, total: int, loss: float, tokens_per_s: float, mfu_v
 class MetricWindow:
     """The logging window: clu metrics of its steps, plus throughput over the steps timed.
 
-    The trainer reads step k's outputs right after dispatching step k+1, so the time between
-    two consecutive reads inside the loop is one loop period, i.e. one step, whether
-    dispatch is asynchronous (accelerators) or runs the step inline (CPU). A read with no
-    step dispatched since the previous one (the drain after the loop, the read before an
-    eval: ``steady=False``) times nothing and restarts the clock, as does the first read
-    (its interval holds the compile). Tokens/s, step time and MFU are computed over the
-    timed steps only; a window with none writes none of them rather than a wrong number
-    (a drained last step once showed "334.3k tok/s | MFU 755.7%").
+    A step is timed by the interval between two reads of outputs with exactly one step
+    dispatched in between: then it is one loop period (completion to completion when
+    dispatch is asynchronous, as on accelerators; one inline run when it is not, as on CPU).
+    A read with no step dispatched since the previous one (the drain after the loop, a read
+    before a checkpoint or an eval) or with several (after such a read) times nothing, nor
+    does the first read (its interval holds the compile); ``restart()`` after an eval keeps
+    the eval out. Tokens/s, step time and MFU are means over the timed steps; a window with
+    none writes none of them rather than a wrong number (a drained last step once showed
+    "334.3k tok/s | MFU 755.7%").
     """
 
     def __init__(self, *, tokens_per_step: int, flops_per_token: float, peak_flops: float,
@@ -269,18 +270,23 @@ class MetricWindow:
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.peak_flops, self.total_steps, self.clock = peak_flops, total_steps, clock
         self._metrics: Any = None
-        self._last_read: float | None = None
+        self._last_read: tuple[float, int] | None = None  # (time, steps dispatched then)
         self._timed_steps, self._timed_seconds = 0, 0.0  # this window
         self._run_steps, self._run_seconds = 0, 0.0  # every window so far (for the ETA)
 
-    def add(self, outputs: Mapping[str, Any], *, steady: bool = True) -> None:
-        """One step's host-side outputs, just read back (``steady``: read inside the loop)."""
+    def add(self, outputs: Mapping[str, Any], *, dispatched: int) -> None:
+        """One step's host-side outputs, just read back; ``dispatched``: the number of steps
+        dispatched so far (this one and any still in flight)."""
         now = self.clock()
         self._metrics = accumulate(self._metrics, outputs)
-        if steady and self._last_read is not None:
+        if self._last_read is not None and dispatched - self._last_read[1] == 1:
             self._timed_steps += 1
-            self._timed_seconds += now - self._last_read
-        self._last_read = now if steady else None
+            self._timed_seconds += now - self._last_read[0]
+        self._last_read = (now, dispatched)
+
+    def restart(self) -> None:
+        """Time nothing up to the next read (after an eval or other work outside a step)."""
+        self._last_read = None
 
     def log(self, step: int, writer: MetricWriter) -> str:
         """Write the window's scalars at ``step``, start a new window; the progress line."""

@@ -254,9 +254,9 @@ class Trainer:
         window = metrics_lib.MetricWindow(tokens_per_step=tokens_per_step, flops_per_token=fpt,
                                           peak_flops=peak, total_steps=cfg.num_train_steps)
 
-        def consume(step_done: int, outputs: dict, steady: bool = True) -> None:
-            """Host side of a finished step (read one step late; ``steady``: read inside the
-            loop, one step after the previous read, so the interval times one step)."""
+        def consume(step_done: int, outputs: dict, dispatched: int) -> None:
+            """Host side of a finished step (read one step late; ``dispatched``: steps
+            dispatched so far, for the step timing)."""
             outputs = jax.device_get(outputs)
             loss = float(outputs["loss"])
             if result.first_loss is None:
@@ -268,7 +268,7 @@ class Trainer:
                     f"gradient (last at step {step_done}); aborting. Lower the learning rate or "
                     "check the data."
                 )
-            window.add(outputs, steady=steady)
+            window.add(outputs, dispatched=dispatched)
             if step_done % cfg.log_every and step_done != cfg.num_train_steps:
                 return
             self.print(window.log(step_done, writer))
@@ -280,19 +280,26 @@ class Trainer:
                     batch = next(batches)
                     state, outputs = train_step(state, batch)
                     if pending is not None:
-                        consume(*pending)
+                        consume(*pending, dispatched=step + 1)
                     step += 1
                     pending = (step, outputs)
+                    if step % self.checkpointer.config.save_every == 0:
+                        # the save waits for this step's state anyway: log it first, so a
+                        # crash after the checkpoint leaves no gap in metrics.jsonl
+                        consume(*pending, dispatched=step)
+                        pending = None
                     self.checkpointer.save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
-                        consume(*pending, steady=False)
-                        pending = None
+                        if pending is not None:
+                            consume(*pending, dispatched=step)
+                            pending = None
                         self._log_eval(writer, step, self.evaluate(state["params"], step))
+                        window.restart()
                     if watcher.should_stop(step):
                         result.preempted = True
                         break
                 if pending is not None:
-                    consume(*pending, steady=False)
+                    consume(*pending, dispatched=step)
                     pending = None
             self.checkpointer.save(step, state, data_iterator, force=True)
             self.checkpointer.wait()
