@@ -220,11 +220,12 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     saved = checkpoint_steps(killed)
     assert saved and saved[-1] < STEPS, saved
 
+    relaunched = start_job(script, killed, free_port())  # alongside the reference, if running
     ref_results = finish(ref_job, timeout=600)
     for rc, _, err in ref_results:
         assert rc == 0, err[-3000:]
     ref_out = ref_results[0][1]
-    relaunch = finish(start_job(script, killed, free_port()), timeout=600)
+    relaunch = finish(relaunched, timeout=600)
     for rc, _, err in relaunch:
         assert rc == 0, err[-3000:]
     assert "resumed from step" in relaunch[0][1], relaunch[0][1][-2000:]
@@ -279,8 +280,9 @@ def test_late_failure_prints_only_its_line_and_table_needs_verbose(tmp_path):
     verbose = subprocess.run([*cmd, "--verbose"], capture_output=True, text=True, timeout=300)
     assert verbose.returncode == 1
     lines = verbose.stderr.splitlines()
-    assert lines[-1] == plain.stderr.strip()
-    assert "parameter sharding on mesh {'data': 1, 'fsdp': 8, 'tensor': 1}:" in lines
+    assert lines[-1].startswith(plain.stderr.strip())  # + gin's "In call to ..." (verbose)
+    assert any(x.endswith("parameter sharding on mesh {'data': 1, 'fsdp': 8, 'tensor': 1}:")
+               for x in lines), verbose.stderr
     assert any(x.startswith("block/") for x in lines), verbose.stderr
 
 

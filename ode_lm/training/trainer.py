@@ -177,9 +177,11 @@ class Trainer:
         partitioning.log_sharding_table(self.mesh, table)
         self.sharding_table = table
         partitioning.check_param_annotations(self.spec.abstract_params)
-        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
         if train_data is None:
             check_vocab(model_config, data_config)
+        # after the last check: orbax starts a thread that, cut off by an early exit, prints
+        # a traceback below the one-line error
+        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
         self._eval_steps: dict[int | None, Callable] = {}  # jitted once per ODE step count
