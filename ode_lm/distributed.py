@@ -410,8 +410,24 @@ def shutdown() -> None:
             except Exception as e:  # noqa: BLE001 - a peer already gone: leave anyway
                 log.warning("distributed: shutdown barrier failed: %s", e)
         _stop_watchdog()
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            _wait_for_others_to_disconnect(timeout_s)
         jax.distributed.shutdown()
     _stop_watchdog()
+
+
+def _wait_for_others_to_disconnect(timeout_s: float) -> None:
+    """Process 0 hosts the service: stopping it while a peer still disconnects fails that
+    peer's ShutdownTask RPC, and JAX aborts the peer (a C++ stack trace, exit -6)."""
+    others = list(range(1, jax.process_count()))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if not _client().get_live_nodes(others):
+                return
+        except Exception:  # noqa: BLE001 - nothing more to wait for
+            return
+        time.sleep(0.05)
 
 
 def exit_process(code: int = 0) -> NoReturn:
