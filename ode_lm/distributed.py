@@ -267,16 +267,17 @@ class PeerWatchdog:
         except Exception as e:  # noqa: BLE001 - any failure to reach the service counts
             if self.process_id == 0:  # the service runs in this process: cannot be unreachable
                 return f"distributed: cannot query the coordination service: {e}"
-            lost = "the coordinator, process 0"
+            lost, why = "the coordinator, process 0", "its service is unreachable"
         else:
             missing = [i for i in ids if i not in live]
             if not missing:
                 return None
             lost = "process" + ("es " if len(missing) > 1 else " ") + ", ".join(map(str, missing))
+            why = f"no heartbeat for {self.heartbeat_timeout} s"
         return (
-            f"distributed: lost {lost} of {self.num_processes} (no heartbeat for "
-            f"{self.heartbeat_timeout} s); stopping process {self.process_id}. Restart all "
-            "processes to resume from the last complete checkpoint"
+            f"distributed: lost {lost} of {self.num_processes} ({why}); stopping process "
+            f"{self.process_id}. Restart all processes to resume from the last complete "
+            "checkpoint"
         )
 
     def start(self) -> PeerWatchdog:
@@ -419,11 +420,11 @@ def shutdown() -> None:
 def _wait_for_others_to_disconnect(timeout_s: float) -> None:
     """Process 0 hosts the service: stopping it while a peer still disconnects fails that
     peer's ShutdownTask RPC, and JAX aborts the peer (a C++ stack trace, exit -6)."""
-    others = list(range(1, jax.process_count()))
+    ids = list(range(jax.process_count()))  # the asking process must be among them
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if not _client().get_live_nodes(others):
+            if set(_client().get_live_nodes(ids)) <= {0}:
                 return
         except Exception:  # noqa: BLE001 - nothing more to wait for
             return

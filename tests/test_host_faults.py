@@ -52,7 +52,8 @@ def test_watchdog_names_the_lost_process():
 
 def test_watchdog_on_a_worker_names_the_coordinator():
     dog = distributed.PeerWatchdog(FakeClient(error=RuntimeError("UNAVAILABLE")), 2, 1, 10, 1.0)
-    assert dog.check().startswith("distributed: lost the coordinator, process 0 of 2")
+    assert dog.check().startswith(
+        "distributed: lost the coordinator, process 0 of 2 (its service is unreachable)")
 
 
 def test_watchdog_thread_reports_once_and_stops():
