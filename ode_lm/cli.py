@@ -121,6 +121,7 @@ def run_gin_cli(
         distributed.initialize()
         result = entry()
     except user_errors() as e:
+        distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead
         return report_error(prog, e, verbose)
     return report(result)
 

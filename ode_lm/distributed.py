@@ -6,17 +6,28 @@ no arguments there. GPU clusters and local multi-process tests pass the three se
 explicitly (or through ``JAX_COORDINATOR_ADDRESS`` / ``JAX_NUM_PROCESSES`` /
 ``JAX_PROCESS_ID``). A plain single process does nothing. CPU processes exchange data
 with gloo collectives, which must be chosen before the CPU backend starts.
+
+A process that dies (SIGKILL, a lost host) would leave the others blocked in their next
+collective. JAX's coordination service notices the silence after
+``DistributedConfig.heartbeat_timeout_seconds``; by default it then aborts every other process
+with a C++ stack trace. :func:`initialize` instead turns on JAX's recoverable-task mode (the
+service only records the loss) and starts a :class:`PeerWatchdog` that polls the service's
+live-process list and ends this process with one line naming the lost process.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
+import gin
 import jax
 
 log = logging.getLogger(__name__)
@@ -25,6 +36,44 @@ ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_PROCESS_ID"
 CPU_COLLECTIVES = ("gloo", "mpi")
+EXIT_PEER_LOST = 1  # exit status of a process stopped because a peer was lost
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """How a multi-process job detects a lost process (gin: ``DistributedConfig.*``).
+
+    A process that sends no heartbeat for ``heartbeat_timeout_seconds`` counts as lost; the
+    others then exit (status 1) within about that time plus ``watchdog_poll_seconds``.
+    """
+
+    heartbeat_timeout_seconds: int = 100  # JAX's own default
+    shutdown_timeout_seconds: int = 300
+    initialization_timeout: int = 300
+    watchdog: bool = True  # False: JAX's default (abort with a C++ stack trace)
+    watchdog_poll_seconds: float = 1.0
+
+    def __post_init__(self):
+        for name in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds",
+                     "initialization_timeout"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"DistributedConfig.{name}={value!r}: must be an integer >= 1")
+        if not self.watchdog_poll_seconds > 0:
+            raise ValueError(
+                f"DistributedConfig.watchdog_poll_seconds={self.watchdog_poll_seconds!r}: "
+                "must be > 0"
+            )
+
+
+def _register_gin(cls):
+    try:
+        return gin.external_configurable(cls, module="ode_lm")
+    except ValueError:  # already registered (module re-imported in tests)
+        return gin.get_configurable(cls.__name__)
+
+
+GinDistributedConfig = _register_gin(DistributedConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,13 +172,15 @@ def initialize(
     *,
     local_device_ids: Sequence[int] | None = None,
     cpu_collectives: str = "gloo",
-    initialization_timeout: int = 300,
+    config: DistributedConfig | None = None,
 ) -> ProcessInfo:
     """Join the distributed job (once); call first thing in a CLI, before any jax op.
 
     Explicit settings win; otherwise a TPU pod / Slurm / Open MPI job is auto-detected;
-    otherwise this is a single process and nothing is initialised.
+    otherwise this is a single process and nothing is initialised. ``config`` defaults to
+    the gin-bound ``DistributedConfig`` (the CLIs parse gin first).
     """
+    config = config or GinDistributedConfig()
     if cpu_collectives not in CPU_COLLECTIVES:
         raise ValueError(
             f"distributed: cpu_collectives={cpu_collectives!r}: expected one of {CPU_COLLECTIVES}"
@@ -143,16 +194,22 @@ def initialize(
         return process_info("single")
     # Gloo carries cross-process collectives between CPU devices; harmless on TPU/GPU.
     jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    # Recoverable tasks: the service records a lost process instead of aborting the others
+    # (LOG(FATAL)); the watchdog below reports it. (Read by process 0, which hosts it.)
+    jax.config.update("jax_enable_recoverability", config.watchdog)
+    timeouts = dict(initialization_timeout=config.initialization_timeout,
+                    heartbeat_timeout_seconds=config.heartbeat_timeout_seconds,
+                    shutdown_timeout_seconds=config.shutdown_timeout_seconds)
     try:
         if settings is None:
-            jax.distributed.initialize(initialization_timeout=initialization_timeout)
+            jax.distributed.initialize(**timeouts)
         else:
             jax.distributed.initialize(
                 settings.address,
                 settings.num_processes,
                 settings.process_id,
                 local_device_ids=local_device_ids,
-                initialization_timeout=initialization_timeout,
+                **timeouts,
             )
     except RuntimeError as e:
         if "before" in str(e) and "backend" in str(e).lower():
@@ -162,6 +219,14 @@ def initialize(
             ) from e
         raise
     info = process_info("explicit" if settings else "auto")
+    global _watchdog, _config
+    _config = config
+    if config.watchdog and info.process_count > 1:
+        _watchdog = PeerWatchdog(
+            _client(), info.process_count, info.process_index, config.heartbeat_timeout_seconds,
+            config.watchdog_poll_seconds,
+        ).start()
+        atexit.register(_stop_watchdog)  # runs before JAX's own atexit shutdown (LIFO)
     if jax.default_backend() == "cpu" and info.process_count > 1:
         warm_up_collectives()
     log.info(
@@ -169,6 +234,122 @@ def initialize(
         info.process_index, info.process_count, info.local_device_count, info.device_count,
     )
     return info
+
+
+def _client() -> Any:
+    """JAX's coordination-service client (private: ``jax._src.distributed.global_state``)."""
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+class PeerWatchdog:
+    """A daemon thread that ends this process, with one line, once a peer is lost.
+
+    A surviving process is typically blocked inside a collective that will never complete,
+    so the thread cannot raise into it: it writes the line to stderr and calls ``os._exit``.
+    """
+
+    def __init__(self, client: Any, num_processes: int, process_id: int,
+                 heartbeat_timeout: int, poll_seconds: float,
+                 on_lost: Callable[[str], Any] | None = None):
+        self.client, self.num_processes, self.process_id = client, num_processes, process_id
+        self.heartbeat_timeout, self.poll_seconds = heartbeat_timeout, poll_seconds
+        self.on_lost = on_lost or _exit_peer_lost
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def check(self) -> str | None:
+        """The message naming the lost process(es), or None while every process is alive."""
+        ids = list(range(self.num_processes))
+        try:
+            live = self.client.get_live_nodes(ids)
+        except Exception as e:  # noqa: BLE001 - any failure to reach the service counts
+            if self.process_id == 0:  # the service runs in this process: cannot be unreachable
+                return f"distributed: cannot query the coordination service: {e}"
+            lost, why = "the coordinator, process 0", "its service is unreachable"
+        else:
+            missing = [i for i in ids if i not in live]
+            if not missing:
+                return None
+            lost = "process" + ("es " if len(missing) > 1 else " ") + ", ".join(map(str, missing))
+            why = f"no heartbeat for {self.heartbeat_timeout} s"
+        return (
+            f"distributed: lost {lost} of {self.num_processes} ({why}); stopping process "
+            f"{self.process_id}. Restart all processes to resume from the last complete "
+            "checkpoint"
+        )
+
+    def start(self) -> PeerWatchdog:
+        self._thread = threading.Thread(target=self._run, name="ode_lm-peer-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop polling (before a deliberate shutdown, when peers leave on purpose)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            message = self.check()
+            if message is not None and not self._stop.is_set():
+                self.on_lost(message)
+                return
+
+
+def _exit_peer_lost(message: str) -> NoReturn:
+    """One line on stderr, then leave at once (the main thread may be stuck in a collective)."""
+    line = f"ode-lm: error: {message}\n"
+    try:
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001, S110 - leaving anyway
+        pass
+    os.write(2, line.encode())
+    os._exit(EXIT_PEER_LOST)
+
+
+_watchdog: PeerWatchdog | None = None
+_config: DistributedConfig | None = None
+
+
+def _stop_watchdog() -> None:
+    global _watchdog
+    if _watchdog is not None:
+        _watchdog.stop()
+        _watchdog = None
+
+
+def _from_runtime(error: BaseException | None, depth: int = 0) -> bool:
+    """A JaxRuntimeError, or an error raised while handling one (a ``finally`` clean-up)."""
+    if error is None or depth > 8:
+        return False
+    if isinstance(error, jax.errors.JaxRuntimeError):
+        return True
+    return _from_runtime(error.__cause__ or error.__context__, depth + 1)
+
+
+def wait_for_lost_peer(error: BaseException) -> None:
+    """Before reporting ``error``: if it is a JAX runtime error in a multi-process job, wait
+    (at most the heartbeat timeout) for the watchdog to confirm a lost process. An error
+    raised while handling one (a clean-up in a ``finally``) counts too.
+
+    A peer's death often surfaces first as a failed collective ("Gloo AllGather failed ...
+    Connection reset by peer") long before the heartbeat timeout; the watchdog's line, which
+    names the lost process, is the one to show then (it ends the process itself). Any other
+    error, or none confirmed in time, returns at once / after the wait, to be reported as is.
+    """
+    dog = _watchdog
+    if dog is None or not _from_runtime(error):
+        return
+    deadline = time.monotonic() + dog.heartbeat_timeout + 2 * dog.poll_seconds
+    while time.monotonic() < deadline and dog.is_alive():
+        time.sleep(min(dog.poll_seconds, 0.5))
 
 
 def warm_up_collectives() -> float:
@@ -215,8 +396,39 @@ def sync(name: str) -> None:
 
 
 def shutdown() -> None:
+    """Leave the job together: wait for every process, stop the watchdog, then disconnect.
+
+    Recoverable-task mode drops JAX's own shutdown barrier, so the wait is explicit here: no
+    process (least of all process 0, which hosts the service) leaves while another still
+    needs the coordinator. The watchdog stops once every process has arrived.
+    """
     if is_initialized():
+        if jax.process_count() > 1:
+            # the watchdog keeps watching during the barrier: a peer lost now is reported
+            timeout_s = (_config or DistributedConfig()).shutdown_timeout_seconds
+            try:
+                _client().wait_at_barrier("ode_lm_shutdown", timeout_s * 1000)
+            except Exception as e:  # noqa: BLE001 - a peer already gone: leave anyway
+                log.warning("distributed: shutdown barrier failed: %s", e)
+        _stop_watchdog()
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            _wait_for_others_to_disconnect(timeout_s)
         jax.distributed.shutdown()
+    _stop_watchdog()
+
+
+def _wait_for_others_to_disconnect(timeout_s: float) -> None:
+    """Process 0 hosts the service: stopping it while a peer still disconnects fails that
+    peer's ShutdownTask RPC, and JAX aborts the peer (a C++ stack trace, exit -6)."""
+    ids = list(range(jax.process_count()))  # the asking process must be among them
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if set(_client().get_live_nodes(ids)) <= {0}:
+                return
+        except Exception:  # noqa: BLE001 - nothing more to wait for
+            return
+        time.sleep(0.05)
 
 
 def exit_process(code: int = 0) -> NoReturn:

@@ -7,7 +7,9 @@ that maps them onto the physical mesh axes ``('data', 'fsdp', 'tensor')``.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,6 +179,29 @@ def sharding_table(params: Any) -> tuple[str, int, int]:
     return "\n".join(lines), per_dev, total
 
 
+SHARDING_FILE = "sharding.txt"
+
+
+def sharding_text(mesh: Mesh, table: str) -> str:
+    return f"parameter sharding on mesh {dict(mesh.shape)}:\n{table}\n"
+
+
+def log_sharding_table(mesh: Mesh, table: str) -> None:
+    """The table on the console only at DEBUG (``--verbose``): at INFO its ~50 lines would
+    bury a failed run's one-line error; a run keeps it in ``MODEL_DIR/sharding.txt``."""
+    logging.getLogger("ode_lm.train").debug("%s", sharding_text(mesh, table).rstrip())
+
+
+def write_sharding_table(model_dir: str, mesh: Mesh, table: str) -> str:
+    """Save the table as ``MODEL_DIR/sharding.txt`` (process 0); returns the path."""
+    path = os.path.join(model_dir, SHARDING_FILE)
+    if jax.process_index() == 0:
+        with open(path + ".tmp", "w") as f:
+            f.write(sharding_text(mesh, table))
+        os.replace(path + ".tmp", path)
+    return path
+
+
 def check_param_annotations(params: Any) -> None:
     """Fail on a parameter without logical-axis names (one per dimension).
 
@@ -190,5 +215,5 @@ def check_param_annotations(params: Any) -> None:
             raise ValueError(
                 f"parameter {path_name(path)!r} {tuple(leaf.shape)} has partition spec "
                 f"{spec}: it is missing a logical-axis annotation (give it sharding_names, one "
-                "logical axis per dimension; see the sharding table above)"
+                "logical axis per dimension; --verbose prints the sharding table)"
             )

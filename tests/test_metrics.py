@@ -58,3 +58,82 @@ def test_progress_line():
     line = metrics.progress_line(120, 600, 4.2131, 12345.0, 0.231, 92.0)
     assert line == "step 120/600 | loss 4.2131 | 12.3k tok/s | MFU 23.1% | ETA 1m32s"
     assert "MFU n/a" in metrics.progress_line(1, 2, 1.0, 1.0, math.nan, 1.0)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step_outputs(loss: float) -> dict:
+    return dict(loss=loss, grad_norm=1.0, param_norm=3.0, learning_rate=0.1, skipped_steps=0,
+                num_steps=2, kinetic_energy=0.0)
+
+
+def drive(tmp_path, reads, log_steps, total, restart_after=()):
+    """Feed (step, read time, steps dispatched) reads through a window, as the trainer does;
+    the rows written to metrics.jsonl and the progress lines."""
+    clock = FakeClock()
+    window = metrics.MetricWindow(tokens_per_step=1000, flops_per_token=6e3, peak_flops=1e9,
+                                  total_steps=total, clock=clock)
+    writer = metrics.create_writer(str(tmp_path), process_index=0)
+    lines = []
+    for step, at, dispatched in reads:
+        clock.now = at
+        window.add(step_outputs(float(step)), dispatched=dispatched)
+        if step in log_steps:
+            lines.append(window.log(step, writer))
+        if step in restart_after:
+            window.restart()
+    writer.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return rows, lines
+
+
+def test_window_throughput_over_timed_steps_only(tmp_path):
+    """log_every=3, 7 steps: step k is read after step k+1 is dispatched; the first read only
+    starts the clock, the drained last one (nothing dispatched since) times nothing."""
+    reads = [(1, 110.0, 2), (2, 111.0, 3), (3, 112.0, 4),  # step 1's interval: the compile
+             (4, 113.5, 5), (5, 115.0, 6), (6, 116.5, 7),
+             (7, 116.6, 7)]  # drained right after step 6's read: 0.1 s is not a step
+    rows, lines = drive(tmp_path, reads, {3, 6, 7}, total=7)
+    assert [r["step"] for r in rows] == [3, 6, 7]
+    assert rows[0]["train/step_time"] == pytest.approx(1.0)  # steps 2, 3 timed
+    assert rows[0]["train/tokens_per_second"] == pytest.approx(1000.0)
+    assert rows[0]["train/mfu"] == pytest.approx(6e3 * 1000.0 / 1e9)
+    assert rows[0]["train/loss"] == pytest.approx(2.0)  # loss averages all 3 steps
+    assert rows[1]["train/step_time"] == pytest.approx(1.5)  # steps 4, 5, 6
+    assert rows[1]["train/tokens_per_second"] == pytest.approx(1000.0 / 1.5)
+    # the last, partial window: loss and tokens seen, no throughput
+    assert rows[2]["train/loss"] == 7.0 and rows[2]["train/tokens_seen"] == 7000
+    assert not {"train/tokens_per_second", "train/step_time", "train/mfu"} & set(rows[2])
+    assert lines[0] == "step 3/7 | loss 2.0000 | 1.0k tok/s | MFU 0.6% | ETA 4s"  # 4 x 1 s
+    assert lines[1].endswith("0.7k tok/s | MFU 0.4% | ETA 1s")  # 1 x (6.5 s / 5 timed steps)
+    assert lines[2] == "step 7/7 | loss 7.0000 | n/a tok/s | MFU n/a | ETA 0s"
+
+
+def test_window_single_step_run_writes_no_throughput(tmp_path):
+    rows, lines = drive(tmp_path, [(1, 5.0, 1)], {1}, total=1)
+    assert rows == [{"step": 1, "train/loss": 1.0, "train/grad_norm": 1.0,
+                     "train/param_norm": 3.0, "train/learning_rate": pytest.approx(0.1),
+                     "train/skipped_steps": 0.0, "train/num_steps": 2.0,
+                     "train/kinetic_energy": 0.0, "train/tokens_seen": 1000}]
+    assert lines == ["step 1/1 | loss 1.0000 | n/a tok/s | MFU n/a | ETA 0s"]
+
+
+def test_window_around_checkpoints_and_evals(tmp_path):
+    """Step 2 is read at once for its checkpoint (nothing dispatched since step 1's read),
+    then an eval; step 3's read (2 dispatches later) and the eval time nothing. With a save
+    every step (steps 5, 6 read right after their own dispatch) each interval is one step."""
+    reads = [(1, 10.0, 2), (2, 10.2, 2), (3, 50.0, 4), (4, 51.0, 5), (5, 52.0, 5),
+             (6, 54.0, 6), (7, 54.1, 6)]
+    rows, lines = drive(tmp_path, reads, {1, 2, 3, 4, 5, 6, 7}, total=7, restart_after={2})
+    timed = {r["step"]: r["train/step_time"] for r in rows if "train/step_time" in r}
+    assert timed == {4: pytest.approx(1.0), 6: pytest.approx(2.0)}
+    assert "ETA ?" in lines[0] and "ETA 3s" in lines[3]  # 3 x 1 s
+    # without the restart after the eval, step 3's read is still not timed (2 dispatches)
+    rows, _ = drive(tmp_path / "no_restart", reads[:3], {3}, total=7)
+    assert "train/step_time" not in rows[0]

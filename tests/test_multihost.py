@@ -21,16 +21,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_env(pid: int, num_processes: int, devices_per_process: int, port: int) -> dict:
+    """The environment of process ``pid`` of a local CPU job on 127.0.0.1:``port``."""
+    return dict(os.environ, JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(pid))
+
+
 def spawn(argv: list[str], num_processes: int, devices_per_process: int, port: int,
           cwd: str | None = None, timeout: float = 240) -> list[subprocess.CompletedProcess]:
     """Start ``num_processes`` local processes as one JAX job; wait for all of them."""
     procs = []
     for pid in range(num_processes):
-        env = dict(os.environ, JAX_PLATFORMS="cpu",
-                   XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-                   JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(pid))
-        procs.append(subprocess.Popen(argv, env=env, cwd=cwd, text=True,
+        procs.append(subprocess.Popen(argv, env=worker_env(pid, num_processes,
+                                                           devices_per_process, port),
+                                      cwd=cwd, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     results = []
     try:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -244,20 +244,69 @@ def progress_line(step: int, total: int, loss: float, tokens_per_s: float, mfu_v
                   eta_s: float) -> str:
     """'step 120/600 | loss 4.213 | 12.3k tok/s | MFU 23.1% | ETA 1m32s'."""
     mfu_text = f"{100 * mfu_value:.1f}%" if math.isfinite(mfu_value) else "n/a"
+    tok_text = f"{tokens_per_s / 1e3:.1f}k" if math.isfinite(tokens_per_s) else "n/a"
     return (
-        f"step {step}/{total} | loss {loss:.4f} | {tokens_per_s / 1e3:.1f}k tok/s | "
+        f"step {step}/{total} | loss {loss:.4f} | {tok_text} tok/s | "
         f"MFU {mfu_text} | ETA {format_duration(eta_s)}"
     )
 
 
-class Throughput:
-    """Tokens/s and step time between two host reads (wall clock, includes everything)."""
+class MetricWindow:
+    """The logging window: clu metrics of its steps, plus throughput over the steps timed.
 
-    def __init__(self):
-        self._t = time.perf_counter()
+    A step is timed by the interval between two reads of outputs with exactly one step
+    dispatched in between: then it is one loop period (completion to completion when
+    dispatch is asynchronous, as on accelerators; one inline run when it is not, as on CPU).
+    A read with no step dispatched since the previous one (the drain after the loop, a read
+    before a checkpoint or an eval) or with several (after such a read) times nothing, nor
+    does the first read (its interval holds the compile); ``restart()`` after an eval keeps
+    the eval out. Tokens/s, step time and MFU are means over the timed steps; a window with
+    none writes none of them rather than a wrong number (a drained last step once showed
+    "334.3k tok/s | MFU 755.7%").
+    """
 
-    def lap(self, steps: int, tokens: int) -> tuple[float, float]:
-        now = time.perf_counter()
-        dt, self._t = now - self._t, now
-        dt = max(dt, 1e-9)
-        return tokens / dt, dt / max(steps, 1)
+    def __init__(self, *, tokens_per_step: int, flops_per_token: float, peak_flops: float,
+                 total_steps: int, clock: Callable[[], float] = time.perf_counter):
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.peak_flops, self.total_steps, self.clock = peak_flops, total_steps, clock
+        self._metrics: Any = None
+        self._last_read: tuple[float, int] | None = None  # (time, steps dispatched then)
+        self._timed_steps, self._timed_seconds = 0, 0.0  # this window
+        self._run_steps, self._run_seconds = 0, 0.0  # every window so far (for the ETA)
+
+    def add(self, outputs: Mapping[str, Any], *, dispatched: int) -> None:
+        """One step's host-side outputs, just read back; ``dispatched``: the number of steps
+        dispatched so far (this one and any still in flight)."""
+        now = self.clock()
+        self._metrics = accumulate(self._metrics, outputs)
+        if self._last_read is not None and dispatched - self._last_read[1] == 1:
+            self._timed_steps += 1
+            self._timed_seconds += now - self._last_read[0]
+        self._last_read = (now, dispatched)
+
+    def restart(self) -> None:
+        """Time nothing up to the next read (after an eval or other work outside a step)."""
+        self._last_read = None
+
+    def log(self, step: int, writer: MetricWriter) -> str:
+        """Write the window's scalars at ``step``, start a new window; the progress line."""
+        values = {k: float(v) for k, v in self._metrics.compute().items()}
+        scalars = {f"train/{k}": v for k, v in values.items()}
+        scalars["train/tokens_seen"] = step * self.tokens_per_step
+        tok_s = mfu_value = float("nan")
+        if self._timed_steps and self._timed_seconds > 0:
+            step_time = self._timed_seconds / self._timed_steps
+            tok_s = self.tokens_per_step / step_time
+            mfu_value = mfu(self.flops_per_token, tok_s, self.peak_flops)
+            scalars["train/tokens_per_second"] = tok_s
+            scalars["train/step_time"] = step_time
+            if math.isfinite(mfu_value):
+                scalars["train/mfu"] = mfu_value
+            self._run_steps += self._timed_steps
+            self._run_seconds += self._timed_seconds
+        writer.write_scalars(step, scalars)
+        remaining = self.total_steps - step
+        eta = (0.0 if remaining <= 0 else
+               remaining * self._run_seconds / self._run_steps if self._run_steps else math.nan)
+        self._metrics, self._timed_steps, self._timed_seconds = None, 0, 0.0
+        return progress_line(step, self.total_steps, values["loss"], tok_s, mfu_value, eta)

@@ -179,12 +179,14 @@ class Trainer:
             model_fn or default_model_fn(model_config), tx, self.mesh, self.rules, trainable
         )
         table, _, _ = partitioning.sharding_table(self.spec.abstract_params)
-        log.info("parameter sharding on mesh %s:\n%s", dict(self.mesh.shape), table)
+        partitioning.log_sharding_table(self.mesh, table)
         self.sharding_table = table
         partitioning.check_param_annotations(self.spec.abstract_params)
-        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
         if train_data is None:
             check_vocab(model_config, data_config, evaluate=eval_data is None)
+        # after the last check: orbax starts a thread that, cut off by an early exit, prints
+        # a traceback below the one-line error
+        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
         self._eval_steps: dict[int | None, Callable] = {}  # jitted once per ODE step count
@@ -235,6 +237,7 @@ class Trainer:
         if resumed and not self.checkpointer.data_restored(start):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
         self._write_run_files()
+        partitioning.write_sharding_table(cfg.model_dir, self.mesh, self.sharding_table)
         writer = metrics_lib.create_writer(cfg.model_dir)
         if self.operative_config is not None:
             writer.write_texts(start, {"config": _markdown_code(self.operative_config())})
@@ -254,12 +257,13 @@ class Trainer:
         )
         watcher = ckpt_lib.PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {})
-        window, window_steps, pending = None, 0, None
-        throughput = metrics_lib.Throughput()
+        pending = None
+        window = metrics_lib.MetricWindow(tokens_per_step=tokens_per_step, flops_per_token=fpt,
+                                          peak_flops=peak, total_steps=cfg.num_train_steps)
 
-        def consume(step_done: int, outputs: dict) -> None:
-            """Host side of a finished step (read one step late)."""
-            nonlocal window, window_steps
+        def consume(step_done: int, outputs: dict, dispatched: int) -> None:
+            """Host side of a finished step (read one step late; ``dispatched``: steps
+            dispatched so far, for the step timing)."""
             outputs = jax.device_get(outputs)
             loss = float(outputs["loss"])
             if result.first_loss is None:
@@ -271,26 +275,10 @@ class Trainer:
                     f"gradient (last at step {step_done}); aborting. Lower the learning rate or "
                     "check the data."
                 )
-            window = metrics_lib.accumulate(window, outputs)
-            window_steps += 1
+            window.add(outputs, dispatched=dispatched)
             if step_done % cfg.log_every and step_done != cfg.num_train_steps:
                 return
-            values = {k: float(v) for k, v in window.compute().items()}
-            tok_s, step_time = throughput.lap(window_steps, window_steps * tokens_per_step)
-            mfu = metrics_lib.mfu(fpt, tok_s, peak)
-            scalars = {f"train/{k}": v for k, v in values.items()}
-            scalars.update({
-                "train/tokens_per_second": tok_s,
-                "train/step_time": step_time,
-                "train/tokens_seen": step_done * tokens_per_step,
-            })
-            if math.isfinite(mfu):
-                scalars["train/mfu"] = mfu
-            writer.write_scalars(step_done, scalars)
-            eta = (cfg.num_train_steps - step_done) * step_time
-            self.print(metrics_lib.progress_line(
-                step_done, cfg.num_train_steps, values["loss"], tok_s, mfu, eta))
-            window, window_steps = None, 0
+            self.print(window.log(step_done, writer))
 
         step = start
         try:
@@ -299,19 +287,26 @@ class Trainer:
                     batch = next(batches)
                     state, outputs = train_step(state, batch)
                     if pending is not None:
-                        consume(*pending)
+                        consume(*pending, dispatched=step + 1)
                     step += 1
                     pending = (step, outputs)
+                    if step % self.checkpointer.config.save_every == 0:
+                        # the save waits for this step's state anyway: log it first, so a
+                        # crash after the checkpoint leaves no gap in metrics.jsonl
+                        consume(*pending, dispatched=step)
+                        pending = None
                     self.checkpointer.save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
-                        consume(*pending)
-                        pending = None
+                        if pending is not None:
+                            consume(*pending, dispatched=step)
+                            pending = None
                         self._log_eval(writer, step, self.evaluate(state["params"], step))
+                        window.restart()
                     if watcher.should_stop(step):
                         result.preempted = True
                         break
                 if pending is not None:
-                    consume(*pending)
+                    consume(*pending, dispatched=step)
                     pending = None
             self.checkpointer.save(step, state, data_iterator, force=True)
             self.checkpointer.wait()
