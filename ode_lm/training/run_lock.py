@@ -154,8 +154,12 @@ def acquire(model_dir: str) -> RunDirLock:
 
 @contextlib.contextmanager
 def hold(model_dir: str, primary: bool = True) -> Iterator[RunDirLock | None]:
-    """The run lock for the body's duration (a no-op on processes other than 0)."""
-    if not primary:
+    """The run lock for the body's duration (a no-op on processes other than 0, and on
+    object-store paths such as ``gs://``, which have no ``flock``)."""
+    if not primary or "://" in model_dir:
+        if primary:
+            log.warning("no run lock for MODEL_DIR=%s: only local and mounted file systems "
+                        "can be locked", model_dir)
         yield None
         return
     lock = acquire(model_dir)

@@ -77,7 +77,9 @@ EvalData = Callable[..., Any]
 
 def ensure_writable(model_dir: str) -> None:
     """Fail early when MODEL_DIR cannot be written, without writing anything (the run lock,
-    taken first thing in ``Trainer.run``, makes the directory)."""
+    taken first thing in ``Trainer.run``, makes the directory). Object stores: not checked."""
+    if "://" in model_dir:
+        return
     path = os.path.abspath(model_dir)
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
