@@ -129,8 +129,6 @@ def acquire(model_dir: str) -> RunDirLock:
                 pass
             os.close(fd)
     except OSError as e:
-        if isinstance(e, RunLockedError):
-            raise
         if created:
             shutil.rmtree(created, ignore_errors=True)
         raise PermissionError(f"MODEL_DIR={model_dir!r} is not writable: {e.strerror}") from None
