@@ -314,6 +314,43 @@ def test_train_cli_full_disk_one_line_no_traceback(data_config, tmp_path):
     assert step == 1
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A really full disk: a tmpfs with room for one checkpoint (needs CAP_SYS_ADMIN)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    yield mount
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_train_cli_on_a_really_full_tmpfs(run2, data_config, small_tmpfs):
+    step_dir = run2 / "checkpoints" / "1"
+    one = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())
+    size_k = (one * 3 // 2 + 256 * 1024) // 1024  # one checkpoint + run files, not two
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_k}k", "tmpfs",
+                              str(small_tmpfs)], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    model_dir = small_tmpfs / "run"
+    gin_file = small_tmpfs.parent / "tmpfs.gin"
+    gin_file.write_text(CLI_GIN.format(data_dir=data_config.data_dir, model_dir=model_dir))
+    env = {k: v for k, v in os.environ.items() if k != "ODE_LM_DEBUG"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # run2's layout and size
+    proc = subprocess.run(
+        [sys.executable, "-c", "import logging, sys; from ode_lm.train import main, main_exit;"
+         " logging.getLogger('ode_lm.train').setLevel(logging.WARNING); main_exit(main)",
+         f"--gin_file={gin_file}"],
+        capture_output=True, text=True, timeout=600, env=env)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"saving checkpoint step 2 to {model_dir}/checkpoints/2 failed" in err[0], err
+    assert "No space left on device" in err[0] and "still step 1" in err[0], err
+    assert steps_on_disk(model_dir) == [1]
+    params, step = params_at(model_dir)
+    assert step == 1 and all(np.isfinite(x).all() for x in jax.tree.leaves(host(params)))
+
+
 # ---------------------------------------------------------------------------- 4. run lock
 
 

@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
 
 CHECKPOINT_SUBDIR = "checkpoints"
@@ -64,25 +65,10 @@ class CheckpointSaveError(RuntimeError):
 
 
 def _reason(e: BaseException) -> str:
-    """An exception as a short one-line reason (tensorstore's messages run to pages)."""
+    """An exception as a short one-line reason (tensorstore's messages run to pages); the
+    end is kept too: that is where the OS error ("No space left on device") is."""
     text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) <= 240 else text[:237] + "..."
-
-
-class _OrbaxSaveNoise(logging.Filter):
-    """Orbax logs each failed background save with its traceback from several threads (about
-    a thousand lines for a full disk); the save error reaches the caller as one line
-    (:class:`CheckpointSaveError`), so those records are dropped unless ODE_LM_DEBUG is set."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        noisy = record.exc_info is not None and f"{os.sep}orbax{os.sep}" in record.pathname
-        return not noisy or bool(os.environ.get("ODE_LM_DEBUG"))
-
-
-def _install_save_noise_filter() -> None:
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxSaveNoise) for f in logger.filters):
-        logger.addFilter(_OrbaxSaveNoise())
+    return text if len(text) <= 360 else f"{text[:200]} ... {text[-150:]}"
 
 
 def _is_grain_iterator(it: Any) -> bool:
@@ -118,7 +104,7 @@ class Checkpointer:
         self._pending: int | None = None  # step of the async save that may still fail
         self._failed = False
         self._damaged: list[int] = []  # steps restore_latest skipped as damaged
-        _install_save_noise_filter()
+        install_save_noise_filters()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
