@@ -5,12 +5,21 @@ Layout: ``MODEL_DIR/checkpoints/<step>/{state,data}``. ``state`` is the train-st
 (see state.py); ``data`` is the grain iterator state. Orbax writes each step into a
 temporary directory and renames it when complete, so a save cut short by a kill is never
 listed and never restored.
+
+Faults: a complete step whose files were damaged later (truncated, zero bytes) is skipped
+with a warning naming it and the previous one is restored (``restore_latest``,
+``restore_params``); nothing is deleted, and the trainer only moves a damaged step aside
+(``<step>.damaged``) when it is about to save that step again. A failed save (disk full, any
+write error, also one that surfaces later from an async save) raises
+:class:`CheckpointSaveError`: one line naming the step and its path; the previous
+checkpoint stays the latest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import threading
@@ -23,10 +32,13 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ode_lm.config_types import check_types
+from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
 
 CHECKPOINT_SUBDIR = "checkpoints"
 MODEL_CONFIG_FILE = "model_config.json"
+
+log = logging.getLogger("ode_lm.checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +58,21 @@ class ShapeMismatchError(ValueError):
     """A checkpoint's parameters do not fit the configured model."""
 
 
+class CheckpointDamagedError(RuntimeError):
+    """No complete checkpoint can be read back (the ones there are damaged)."""
+
+
+class CheckpointSaveError(RuntimeError):
+    """Writing a checkpoint failed (disk full, permissions, I/O error)."""
+
+
+def _reason(e: BaseException) -> str:
+    """An exception as a short one-line reason (tensorstore's messages run to pages); the
+    end is kept too: that is where the OS error ("No space left on device") is."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 360 else f"{text[:200]} ... {text[-150:]}"
+
+
 def _is_grain_iterator(it: Any) -> bool:
     return isinstance(it, grain.DatasetIterator) or (
         hasattr(it, "get_state") and hasattr(it, "set_state")
@@ -62,7 +89,7 @@ class Checkpointer:
             max_to_keep=config.max_to_keep,
             keep_period=config.keep_period,
             enable_async_checkpointing=config.async_save,
-            create=True,
+            create=False,  # made by the first save: building a Checkpointer writes nothing
             cleanup_tmp_directories=True,  # leftovers of a save cut short by a kill
         )
         self.manager = ocp.CheckpointManager(
@@ -76,6 +103,10 @@ class Checkpointer:
                 "data": grain.checkpoint.CheckpointHandler(),
             },
         )
+        self._pending: int | None = None  # step of the async save that may still fail
+        self._failed = False
+        self._damaged: list[int] = []  # steps restore_latest skipped as damaged
+        install_save_noise_filters()
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -84,16 +115,68 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def save(self, step: int, state: Any, data_iterator: Any = None, force: bool = False) -> bool:
-        """Save when ``step`` is on the interval (or ``force``); returns whether it saved."""
+        """Save when ``step`` is on the interval (or ``force``); returns whether it saved.
+
+        Called every step: it first surfaces an earlier async save's failure, so a full disk
+        stops the run at the next step, not at the next save.
+        """
+        self.check_for_errors()
         if not force and step % self.config.save_every:
             return False
+        self._set_aside_damaged()
         if step in self.manager.all_steps():
             return False
         items = {"state": ocp.args.PyTreeSave(state)}
         if data_iterator is not None and _is_grain_iterator(data_iterator):
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.wait()  # the previous save's error is that step's, not this one's
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as e:
+            raise self._save_error(step, e) from e
+        self._pending = step if self.config.async_save else None
         return True
+
+    def check_for_errors(self) -> None:
+        """Raise CheckpointSaveError if the last async save has failed (does not block)."""
+        if self._pending is None:
+            return
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            raise self._save_error(self._pending, e) from e
+
+    def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+        self._failed, self._pending = True, None
+        done = [s for s in _complete_steps(self.directory) if s != step]
+        kept = (f"the latest complete checkpoint is still step {done[-1]}" if done
+                else "no checkpoint was saved")
+        return CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.directory / str(step)} failed: "
+            f"{_reason(e)}; {kept}"
+        )
+
+    def _set_aside_damaged(self) -> None:
+        """Move the steps restore_latest skipped to ``<step>.damaged`` (kept, never deleted)
+        before this run saves over them; orbax lists only plain step numbers."""
+        if not self._damaged:
+            return
+        for step in self._damaged:
+            src = self.directory / str(step)
+            dst, n = self.directory / f"{step}.damaged", 1
+            while dst.exists():
+                n += 1
+                dst = self.directory / f"{step}.damaged{n}"
+            if src.exists() and jax.process_index() == 0:
+                src.rename(dst)
+                log.warning("moved damaged checkpoint %s to %s", src, dst)
+        self._damaged = []
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("ode_lm: damaged checkpoints moved")
+        self.manager.reload()
 
     def check_compatible(self, step: int, abstract_state: Any) -> None:
         """Raise ShapeMismatchError naming the first parameter whose shape differs."""
@@ -127,24 +210,89 @@ class Checkpointer:
         self.check_compatible(step, abstract_state)
         items = {"state": ocp.args.PyTreeRestore(
             item=abstract_state, restore_args=_restore_args(abstract_state))}
-        has_data = data_iterator is not None and _is_grain_iterator(data_iterator)
-        data_dir = self.directory / str(step) / "data"
-        pidx, pcount = jax.process_index(), jax.process_count()
-        if has_data and (data_dir / f"process_{pidx}-of-{pcount}.json").exists():
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
-        restored = self.manager.restore(step, args=ocp.args.Composite(**items))
-        return restored["state"]
+        state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+        self.restore_data(step, data_iterator)
+        return state
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int | None, Any]:
+        """(step, state) of the newest checkpoint that reads back whole, or (None, None).
+
+        A damaged step (truncated or empty file, unreadable metadata or data state) is skipped
+        with a warning naming it; when every step is damaged this raises
+        CheckpointDamagedError naming the step directory. Nothing is deleted.
+        ShapeMismatchError (a different model) is raised as it is.
+        """
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for i, step in enumerate(steps):
+            try:
+                _check_data_item(self.directory / str(step))
+                return step, self.restore(step, abstract_state)
+            except ShapeMismatchError:
+                raise
+            except Exception as e:
+                _damaged(self.directory, step, e, steps[i + 1:])
+                self._damaged.append(step)
+        return None, None
+
+    def restore_data(self, step: int, data_iterator: Any) -> bool:
+        """Restore ``data_iterator`` in place from ``step`` if saved for this process layout."""
+        if data_iterator is None or not _is_grain_iterator(data_iterator):
+            return False
+        if not self.data_restored(step):
+            return False
+        args = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator))
+        self.manager.restore(step, args=args)
+        return True
 
     def data_restored(self, step: int) -> bool:
         pidx, pcount = jax.process_index(), jax.process_count()
         return (self.directory / str(step) / "data" / f"process_{pidx}-of-{pcount}.json").exists()
 
     def wait(self) -> None:
-        self.manager.wait_until_finished()
+        """Block until the pending async save is written; CheckpointSaveError if it failed."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            raise self._save_error(self._pending or -1, e) from e
+        self._pending = None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finish the pending save and release orbax's threads; after a reported save
+        failure the (same) background error is not raised again."""
+        try:
+            if not self._failed:
+                self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if not self._failed:
+                    raise
+
+
+def _complete_steps(directory: epath.Path) -> list[int]:
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
+
+
+def _check_data_item(step_dir: epath.Path) -> None:
+    """The grain iterator state of this process parses (a zero-byte file would only fail
+    later, inside grain, after the train state was already restored)."""
+    path = step_dir / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+    if path.exists():
+        json.loads(path.read_text())
+
+
+def _damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:
+    """Warn about a damaged step, or raise when no earlier one is left to fall back to."""
+    step_dir = directory / str(step)
+    if not rest:
+        raise CheckpointDamagedError(
+            f"checkpoint {step_dir} is damaged ({_reason(e)}) and no earlier complete "
+            "checkpoint is left; nothing was deleted (restore it from a copy, or move "
+            "the checkpoints away to start afresh)"
+        ) from e
+    log.warning("checkpoint step %d (%s) is damaged (%s); falling back to step %d",
+                step, step_dir, _reason(e), rest[0])
 
 
 def _restore_args(abstract: Any) -> Any:
@@ -168,21 +316,36 @@ def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
 def restore_params(model_dir: str, abstract_params: Any, step: int | None = None) -> tuple:
     """(params, step): only the parameters of a run, onto ``abstract_params``' shardings.
 
-    Works from a checkpoint saved on any mesh; the optimizer state is never read.
+    Works from a checkpoint saved on any mesh; the optimizer state is never read. Without
+    ``step``, a damaged latest step falls back to the previous complete one (warning);
+    a damaged requested ``step`` raises CheckpointDamagedError.
     """
     directory = epath.Path(model_dir) / CHECKPOINT_SUBDIR
-    steps = sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
+    steps = _complete_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {directory}")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise FileNotFoundError(f"checkpoint step {step} not in {directory} (have {steps})")
-    path = directory / str(step) / "state"
-    restore_args = _restore_args(abstract_params)
-    with ocp.PyTreeCheckpointer() as ckptr:
-        meta = ckptr.metadata(path)
-        tree = meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree
+    candidates = [step] if step is not None else steps[::-1]
+    for i, s in enumerate(candidates):
+        try:
+            return _restore_params_at(directory / str(s) / "state", abstract_params), s
+        except ShapeMismatchError:
+            raise
+        except Exception as e:
+            _damaged(directory, s, e, candidates[i + 1:])
+    raise AssertionError("unreachable")
+
+
+def _restore_params_at(path: epath.Path, abstract_params: Any) -> Any:
+    """The ``params`` subtree of one ``state`` item. Read through the item handler, not a
+    ``PyTreeCheckpointer``: the checkpointer looks for the step metadata
+    (``_CHECKPOINT_METADATA``) inside the item directory, where it never is (the manager
+    writes it one level up), and warns "Metadata file does not exist" on every restore."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        meta = handler.metadata(path)
+        tree = meta.tree if hasattr(meta, "tree") else meta
         saved = _flat_shapes(tree["params"])
         for name, shape in _flat_shapes(abstract_params).items():
             if saved.get(name) != tuple(shape):
@@ -190,15 +353,17 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
                     f"{path}: parameter {name!r} has shape {saved.get(name)} but the model "
                     f"wants {tuple(shape)}"
                 )
-        restored = ckptr.restore(
+        restored = handler.restore(
             path,
             args=ocp.args.PyTreeRestore(
                 item={"params": abstract_params},
-                restore_args={"params": restore_args},
+                restore_args={"params": _restore_args(abstract_params)},
                 partial_restore=True,
             ),
         )
-    return restored["params"], step
+    finally:
+        handler.close()
+    return restored["params"]
 
 
 def save_model_config(model_dir: str, config: Any) -> None:

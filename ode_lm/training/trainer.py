@@ -21,6 +21,7 @@ from ode_lm.config_types import check_types
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
+from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
@@ -80,15 +81,16 @@ EvalData = Callable[..., Any]
 
 
 def ensure_writable(model_dir: str) -> None:
-    """Fail early (before touching anything) when MODEL_DIR cannot be written."""
-    try:
-        os.makedirs(model_dir, exist_ok=True)
-        probe = os.path.join(model_dir, f".write_probe_{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise PermissionError(f"MODEL_DIR={model_dir!r} is not writable: {e.strerror}") from None
+    """Fail early when MODEL_DIR cannot be written, without writing anything (the run lock,
+    taken first thing in ``Trainer.run``, makes the directory). Object stores: not checked."""
+    if "://" in model_dir:
+        return
+    path = os.path.abspath(model_dir)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        reason = "Not a directory" if not os.path.isdir(path) else "Permission denied"
+        raise PermissionError(f"MODEL_DIR={model_dir!r} is not writable: {reason} ({path})")
 
 
 def validate(model: ModelConfig, data: Any, step_cfg: step_lib.StepConfig, mesh, rules) -> None:
@@ -192,11 +194,13 @@ class Trainer:
         self._eval_steps: dict[int | None, Callable] = {}  # jitted once per ODE step count
 
     # ------------------------------------------------------------------ pieces
-    def restore_or_init(self, data_iterator: Any) -> tuple[dict, bool]:
-        """Latest complete checkpoint onto this mesh, else init (or the injected params)."""
-        latest = self.checkpointer.latest_step()
-        if latest is not None:
-            state = self.checkpointer.restore(latest, self.spec.abstract_state, data_iterator)
+    def restore_or_init(self, data_iterator: Any, restored: tuple | None = None
+                        ) -> tuple[dict, bool]:
+        """Latest complete checkpoint onto this mesh (``restored``: what
+        ``Checkpointer.restore_latest`` gave), else init (or the injected params)."""
+        step, state = restored or self.checkpointer.restore_latest(self.spec.abstract_state)
+        if step is not None:
+            self.checkpointer.restore_data(step, data_iterator)
             return state, True
         if self.init_params_fn is not None:
             params = self.init_params_fn(self.spec.abstract_params)
@@ -222,17 +226,19 @@ class Trainer:
 
     # -------------------------------------------------------------------- loop
     def run(self) -> TrainResult:
+        """The loop, holding MODEL_DIR's run lock (process 0) from before its first write."""
+        with run_lock.hold(self.cfg.model_dir, primary=jax.process_index() == 0):
+            return self._run()
+
+    def _run(self) -> TrainResult:
         cfg = self.cfg
-        # Refuse an incompatible checkpoint before writing anything into MODEL_DIR.
-        latest = self.checkpointer.latest_step()
-        if latest is not None:
-            self.checkpointer.check_compatible(latest, self.spec.abstract_state)
-        # 3. data, then state (the data iterator is restored with the state)
-        start_hint = latest or 0
+        # 3. state (an incompatible checkpoint is refused before anything is written; a
+        # damaged one falls back to the previous), then data positioned at its step
+        restored = self.checkpointer.restore_latest(self.spec.abstract_state)
         data_iterator, batches = self.train_data(
-            self.data_config, self.mesh, self.rules, start_hint
+            self.data_config, self.mesh, self.rules, restored[0] or 0
         )
-        state, resumed = self.restore_or_init(data_iterator)
+        state, resumed = self.restore_or_init(data_iterator, restored)
         start = int(jax.device_get(state["step"]))
         if resumed and not self.checkpointer.data_restored(start):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
