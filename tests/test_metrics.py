@@ -50,8 +50,12 @@ def test_tf_free_writer_event_files_read_back(tmp_path):
     assert acc.Tensors("config")[0].tensor_proto.string_val == [b"TrainConfig.seed = 0"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[0] == {"step": 1, "train/loss": 3.5, "eval/perplexity@steps=4": 20.0}
-    assert metrics.create_writer(str(tmp_path / "other"), process_index=1) is not None
-    assert not (tmp_path / "other").exists()
+    other = metrics.create_writer(str(tmp_path / "other"), process_index=1)  # not process 0
+    other.write_scalars(1, {"train/loss": 1.0})
+    other.write_texts(1, {"config": "x"})
+    other.flush()
+    other.close()
+    assert not (tmp_path / "other").exists()  # writes nothing, anywhere
 
 
 def test_progress_line():

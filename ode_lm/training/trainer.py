@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import gin
 import jax
 
 from ode_lm import partitioning
@@ -246,7 +247,7 @@ class Trainer:
         partitioning.write_sharding_table(cfg.model_dir, self.mesh, self.sharding_table)
         writer = metrics_lib.create_writer(cfg.model_dir)
         if self.operative_config is not None:
-            writer.write_texts(start, {"config": _markdown_code(self.operative_config())})
+            writer.write_texts(start, {"config": gin.markdown(self.operative_config())})
         num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_params))
         self.print(
             f"{'resumed from' if resumed else 'initialised at'} step {start} | mesh "
@@ -346,10 +347,6 @@ class Trainer:
             with open(path + ".tmp", "w") as f:
                 f.write(self.operative_config())
             os.replace(path + ".tmp", path)
-
-
-def _markdown_code(text: str) -> str:
-    return "\n".join("    " + line for line in text.splitlines())
 
 
 def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
