@@ -212,6 +212,8 @@ def generate(
         raise ValueError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"--top_p={top_p}: must be in (0, 1]")
+    if not temperature >= 0.0:  # NaN too
+        raise ValueError(f"--temperature={temperature}: must be >= 0 (0 = greedy)")
     config = model.config
     num_steps = config.num_steps if num_steps is None else num_steps
     solver = config.solver if solver is None else solver
