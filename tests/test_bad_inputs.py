@@ -82,7 +82,8 @@ def run_dirs(tmp_path_factory) -> dict[str, Path]:
 
 TRAIN = ["-m", "ode_lm.train", "--gin_file={GIN}"]
 EVAL = ["-m", "ode_lm.eval", "--model_dir={MODEL}"]
-SAMPLE = ["-m", "ode_lm.sample", "--model_dir={MODEL}", "--prompt=The", "--no_timing"]
+SAMPLE = ["-m", "ode_lm.sample", "--model_dir={MODEL}", "--prompt=The", "--no_timing",
+          "--max_new_tokens=4"]
 FINETUNE = ["-m", "ode_lm.finetune", "--gin_file=configs/finetune/demo.gin",
             "--gin.PRETRAINED_DIR={MODEL}", "--gin.MODEL_DIR={WORK}/ft_new"]
 PREPARE = ["tools/prepare_data.py", "--no_progress"]
