@@ -358,6 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.step_time <= 0:
             raise ValueError(f"--step_time={args.step_time}: must be > 0")
+        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+            raise ValueError(f"--json={args.json}: no such directory")
         topo = parse_topology(args.topology, args.num_slices)
         if args.remat:
             rest.append(f"--gin.ModelConfig.remat='{args.remat}'")

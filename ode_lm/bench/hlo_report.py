@@ -242,7 +242,7 @@ def analyze(hlo_text: str) -> ProgramCost:
                 seen.add(channel)
             if kind:
                 collectives.append(Collective(
-                    kind, instr.name, comp.name, _collective_bytes(kind, instr, comp), mult,
+                    kind, instr.name, comp.name, float(_collective_bytes(kind, instr, comp)), mult,
                     in_loop, instr.shape[-1].dims if instr.shape else ()))
             totals["flops"] += mult * dot_flops(instr, comp)
             callees = instr.called()
