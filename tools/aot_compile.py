@@ -156,7 +156,7 @@ def analyze_compiled(report: Report, hlo_text: str, model, abstract_params,
 
 
 def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: int,
-                       label: str = "", comm: bool = True) -> Report:
+                       label: str = "", comm: bool = True, hlo_path: str | None = None) -> Report:
     """Lower + compile the trainer's jit'ed train step on the topology's mesh; with
     ``comm`` also its communication report and roofline estimate (from the HLO)."""
     import jax
@@ -210,8 +210,15 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.compiled_flops = float(cost.get("flops", float("nan")))
     report.fits = report.peak_bytes <= topo.chip.hbm_bytes
+    text = compiled.as_text() if comm or hlo_path else ""
+    if hlo_path:
+        try:
+            with open(hlo_path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise OSError(f"--hlo={hlo_path}: cannot write: {e.strerror}") from None
     if comm:
-        analyze_compiled(report, compiled.as_text(), model, spec.abstract_params,
+        analyze_compiled(report, text, model, spec.abstract_params,
                          cfg["step"].num_steps, cfg["step"].solver)
     return report
 
@@ -351,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--vanilla", action="store_true",
                    help="also compile the discrete baseline of the same width and depth")
     p.add_argument("--json", help="write the communication report and estimate to this file")
+    p.add_argument("--hlo", help="write the compiled (post-optimisation) HLO text to this file")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--gin.")]
     if bad:
@@ -358,8 +366,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.step_time <= 0:
             raise ValueError(f"--step_time={args.step_time}: must be > 0")
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise ValueError(f"--json={args.json}: no such directory")
+        for flag in ("json", "hlo"):
+            path = getattr(args, flag)
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"--{flag}={path}: no such directory")
         topo = parse_topology(args.topology, args.num_slices)
         if args.remat:
             rest.append(f"--gin.ModelConfig.remat='{args.remat}'")
@@ -376,7 +386,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rules = partitioning.axis_rules(cfg["mesh"].rule_overrides)
             report = search_batch(cfg, topo, devices, partitioning.batch_shards(mesh, rules))
         else:
-            report = compile_train_step(cfg, topo, devices, batch)
+            report = compile_train_step(cfg, topo, devices, batch, hlo_path=args.hlo)
         reports = [report]
         if args.vanilla and not args.search:
             reports.append(compile_train_step(vanilla_config(cfg), topo, devices,

@@ -19,7 +19,8 @@ FLOPs: dot and convolution FLOPs counted from the HLO (2 per multiply-add), with
 counts; elementwise work is ignored (it is memory-bound and lands in the HBM term).
 HBM bytes: operand + result bytes of every top-level instruction (a fusion is one
 instruction; a fused parameter read only through slices counts the slices, an in-place
-dynamic-update-slice counts the update), with trip counts. Both are estimates.
+dynamic-update-slice counts the update, a parameter returned unchanged counts nothing),
+with trip counts. Both are estimates.
 """
 
 from __future__ import annotations
@@ -199,13 +200,18 @@ def _fusion_hbm_bytes(instr: Instruction, fused: Computation | None,
             in_place.add(r.operands[0])
             update = fused.instructions.get(r.operands[1])
             out_bytes -= shape_bytes(r.shape) - (shape_bytes(update.shape) if update else 0.0)
+    passed = set()  # parameters returned unchanged (TPU continuation fusions carry the
+    for r in roots:  # in-flight collective buffers through): no traffic either way
+        if r.opcode == "parameter" and root.opcode == "tuple":
+            passed.add(r.name)
+            out_bytes -= shape_bytes(r.shape)
     total = out_bytes
     for i, nbytes in enumerate(operands):
         p = params.get(i)
         if p is None:
             total += nbytes
             continue
-        if p.name in in_place:
+        if p.name in in_place or (p.name in passed and len(users.get(p.name, [])) == 1):
             continue
         us = users.get(p.name, [])
         if us and all(u.opcode in ("dynamic-slice", "slice", "gather") and u.operands[0] == p.name
