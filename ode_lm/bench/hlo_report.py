@@ -13,7 +13,9 @@ Async pairs count once, at the start (``*-start``, ``async-start``, TPU's
 ``AsyncCollectiveStart`` fusions). TPU's continuation fusions repeat an in-flight collective
 (same ``channel_id``) in every fusion that overlaps it, and in the done fusion: one
 collective per channel id and execution of its loop body / entry. An all-reduce read only
-through dynamic-slices (TPU's all-reduce-scatter fusion) is a reduce-scatter.
+through dynamic-slices (TPU's all-reduce-scatter fusion) is a reduce-scatter. An all-reduce
+of a shard written into zeros is XLA's all-gather-as-all-reduce: it stays an all-reduce
+here, and ``Collective.gathered`` names the arrays it gathers.
 
 FLOPs: dot and convolution FLOPs counted from the HLO (2 per multiply-add), with trip
 counts; elementwise work is ignored (it is memory-bound and lands in the HBM term).
@@ -55,6 +57,9 @@ class Collective:
     multiplicity: int  # executions per step
     in_loop: bool
     shape: tuple[int, ...]
+    # arrays this collective gathers: an all-gather's output, or the operands of an
+    # all-reduce that are a shard written into zeros (XLA's all-gather as all-reduce)
+    gathered: list = dataclasses.field(default_factory=list)  # [(dims, bytes)]
 
 
 @dataclasses.dataclass
@@ -112,6 +117,36 @@ def _collective_bytes(kind: str, instr: Instruction, comp: Computation) -> float
             arrays = arrays[len(arrays) // 2:]
         return shape_bytes(arrays)
     return operand_bytes
+
+
+def _is_padded_shard(comp: Computation, comps: dict, name: str, depth: int = 0) -> bool:
+    """Is `name` a dynamic-update-slice into a broadcast (through copies / fusions)?"""
+    instr = comp.instructions.get(name)
+    if instr is None or depth > 6:
+        return False
+    if instr.opcode in ("copy-done", "copy-start", "copy", "bitcast") and instr.operands:
+        return _is_padded_shard(comp, comps, instr.operands[0], depth + 1)
+    if instr.opcode == "dynamic-update-slice":
+        base = comp.instructions.get(instr.operands[0])
+        return base is not None and base.opcode in ("broadcast", "constant", "parameter")
+    if instr.opcode == "fusion":
+        fused = comps.get(dict(instr.called()).get("calls", ""))
+        return fused is not None and fused.root.opcode == "dynamic-update-slice"
+    return False
+
+
+def _gathered(kind: str, instr: Instruction, comp: Computation, comps: dict) -> list:
+    if kind == "all-gather":
+        arrays = instr.shape[len(instr.shape) // 2:] if instr.opcode.endswith("-start") \
+            else instr.shape
+        return [(a.dims, a.bytes) for a in arrays]
+    if kind != "all-reduce":
+        return []
+    out = []
+    for o in instr.operands:
+        if o in comp.instructions and _is_padded_shard(comp, comps, o):
+            out += [(a.dims, a.bytes) for a in comp.instructions[o].shape]
+    return out
 
 
 def dot_flops(instr: Instruction, comp: Computation) -> float:
@@ -249,7 +284,8 @@ def analyze(hlo_text: str) -> ProgramCost:
             if kind:
                 collectives.append(Collective(
                     kind, instr.name, comp.name, float(_collective_bytes(kind, instr, comp)), mult,
-                    in_loop, instr.shape[-1].dims if instr.shape else ()))
+                    in_loop, instr.shape[-1].dims if instr.shape else (),
+                    _gathered(kind, instr, comp, comps)))
             totals["flops"] += mult * dot_flops(instr, comp)
             callees = instr.called()
             if not fused and instr.opcode not in _FREE:

@@ -73,24 +73,23 @@ def analytic_min(abstract_params: dict, *, evaluations: int, time_embed_dim: int
 
 def gathered_weights(cost: ProgramCost, abstract_params: dict, *,
                      time_embed_dim: int) -> dict[str, float]:
-    """All-gather bytes per chip split into coefficients A (a leading D axis on a
-    hypernetwork kernel's elements), W(t) (a kernel's elements, once or with a leading
-    steps axis) and other."""
+    """Gathered bytes per chip (all-gathers, and all-reduces that gather: see hlo_report)
+    split into coefficients A (a leading D axis on a hypernetwork kernel's elements), W(t)
+    (a kernel's elements, once or with a leading steps axis) and other."""
     sizes = {math.prod(x.shape[1:]) for p, x in _leaves(abstract_params)
              if p[-1] == "a" and len(x.shape) > 1}
     out = {"A": 0.0, "W(t)": 0.0, "other": 0.0}
     for c in cost.collectives:
-        if c.kind != "all-gather":
-            continue
-        dims = [d for d in c.shape if d != 1]
-        n = math.prod(dims)
-        if dims and dims[0] == time_embed_dim and n // time_embed_dim in sizes:
-            slot = "A"
-        elif n in sizes or (dims and n // dims[0] in sizes):
-            slot = "W(t)"
-        else:
-            slot = "other"
-        out[slot] += c.bytes * c.multiplicity
+        for shape, nbytes in c.gathered:
+            dims = [d for d in shape if d != 1]
+            n = math.prod(dims)
+            if dims and dims[0] == time_embed_dim and n // time_embed_dim in sizes:
+                slot = "A"
+            elif n in sizes or (dims and n // dims[0] in sizes):
+                slot = "W(t)"
+            else:
+                slot = "other"
+            out[slot] += nbytes * c.multiplicity
     return out
 
 
