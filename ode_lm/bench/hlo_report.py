@@ -28,6 +28,7 @@ with trip counts. Both are estimates.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import re
 
@@ -265,7 +266,7 @@ def analyze(hlo_text: str) -> ProgramCost:
     loops: list[Loop] = []
     totals = {"flops": 0.0, "hbm": 0.0}
 
-    visits = iter(range(1 << 62))
+    visits = itertools.count()
 
     def visit(comp: Computation, mult: int, in_loop: bool, fused: bool, depth: int,
               seen: set | None = None) -> None:
