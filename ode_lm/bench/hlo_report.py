@@ -11,9 +11,11 @@ Conventions (bytes per chip, from the HLO shapes):
 - all-reduce, all-to-all, collective-permute: operand bytes (= output bytes).
 Async pairs count once, at the start (``*-start``, ``async-start``, TPU's
 ``AsyncCollectiveStart`` fusions). TPU's continuation fusions repeat an in-flight collective
-(same ``channel_id``) in every fusion that overlaps it, and in the done fusion: one
-collective per channel id and execution of its loop body / entry. An all-reduce read only
-through dynamic-slices (TPU's all-reduce-scatter fusion) is a reduce-scatter. An all-reduce
+(same ``channel_id``) in every fusion that overlaps it, and in the done fusion, even inside a
+loop body that runs while it is in flight: such a collective counts once, where it starts;
+other collectives count once per channel id and execution of their loop body / entry. An
+all-reduce read only through dynamic-slices (TPU's all-reduce-scatter fusion) is a
+reduce-scatter. An all-reduce
 of a shard written into zeros is XLA's all-gather-as-all-reduce: it stays an all-reduce
 here, and ``Collective.gathered`` names the arrays it gathers.
 
@@ -96,6 +98,11 @@ class ProgramCost:
     def in_loop_collectives(self) -> tuple[int, float]:
         cs = [c for c in self.collectives if c.in_loop]
         return sum(c.multiplicity for c in cs), sum(c.bytes * c.multiplicity for c in cs)
+
+
+def _starts_async(instr: Instruction, users: dict[str, list[Instruction]]) -> bool:
+    return any(u.opcode == "custom-call" and "AsyncCollectiveStart" in u.attrs
+               for u in users.get(instr.name, []))
 
 
 def _kind(instr: Instruction, users: dict[str, list[Instruction]]) -> str | None:
@@ -267,6 +274,7 @@ def analyze(hlo_text: str) -> ProgramCost:
     totals = {"flops": 0.0, "hbm": 0.0}
 
     visits = itertools.count()
+    async_channels: set[str] = set()  # TPU async chains: later copies anywhere are the same
 
     def visit(comp: Computation, mult: int, in_loop: bool, fused: bool, depth: int,
               seen: set | None = None) -> None:
@@ -279,9 +287,11 @@ def analyze(hlo_text: str) -> ProgramCost:
             kind = _kind(instr, users)
             channel = instr.attr("channel_id")
             if kind and channel is not None:
-                if channel in seen:
+                if channel in seen or channel in async_channels:
                     kind = None
                 seen.add(channel)
+                if _starts_async(instr, users):
+                    async_channels.add(channel)
             if kind:
                 collectives.append(Collective(
                     kind, instr.name, comp.name, float(_collective_bytes(kind, instr, comp)), mult,
