@@ -326,3 +326,52 @@ def test_tiny_ode_in_loop_collectives_scale_with_num_steps(tmp_path, monkeypatch
     assert data["vanilla"]["label"] == "vanilla" and "gathers_bytes_per_chip" in data["vanilla"]
     assert data["collective_bytes_ratio_vs_vanilla"] == pytest.approx(
         data["collective_bytes_per_chip"] / data["vanilla"]["collective_bytes_per_chip"])
+
+
+def test_async_collective_continued_inside_a_loop_counts_once():
+    """TPU overlaps an in-flight all-gather with a loop: its continuation fusion inside the
+    body repeats the all-gather (same channel id). It is one all-gather, not one per trip."""
+    from ode_lm.bench import hlo_report
+
+    ag = ("all-gather(%x), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={0}, "
+          'frontend_attributes={chain_id="1"}')
+    text = f"""HloModule m
+%start_fusion (x: f32[2,8]) -> (f32[2,8], f32[8,8]) {{
+  %x = f32[2,8]{{1,0}} parameter(0)
+  %ag = f32[8,8]{{1,0}} {ag}
+  ROOT %s = (f32[2,8], f32[8,8]) custom-call(%ag), custom_call_target="AsyncCollectiveStart"
+}}
+%continuation (x: f32[2,8], y: f32[4]) -> f32[4] {{
+  %x = f32[2,8]{{1,0}} parameter(0)
+  %y = f32[4]{{0}} parameter(1)
+  %ag = f32[8,8]{{1,0}} {ag}
+  ROOT %z = f32[4]{{0}} sine(%y)
+}}
+%cond (p: (s32[], f32[2,8], f32[4])) -> pred[] {{
+  %p = (s32[], f32[2,8], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}}
+%body (p: (s32[], f32[2,8], f32[4])) -> (s32[], f32[2,8], f32[4]) {{
+  %p = (s32[], f32[2,8], f32[4]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[2,8]{{1,0}} get-tuple-element(%p), index=1
+  %y = f32[4]{{0}} get-tuple-element(%p), index=2
+  %f = f32[4]{{0}} fusion(%x, %y), kind=kCustom, calls=%continuation
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[2,8], f32[4]) tuple(%next, %x, %f)
+}}
+ENTRY %main (x: f32[2,8], y: f32[4]) -> (s32[], f32[2,8], f32[4]) {{
+  %x = f32[2,8]{{1,0}} parameter(0)
+  %y = f32[4]{{0}} parameter(1)
+  %s = (f32[2,8], f32[8,8]) fusion(%x), kind=kCustom, calls=%start_fusion
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,8], f32[4]) tuple(%zero, %x, %y)
+  ROOT %w = (s32[], f32[2,8], f32[4]) while(%init), condition=%cond, body=%body
+}}
+"""
+    cost = hlo_report.analyze(text)
+    assert [lp.trip_count for lp in cost.loops] == [3]
+    assert cost.by_kind()["all-gather"] == {"count": 1, "bytes_per_chip": 8 * 8 * 4}
