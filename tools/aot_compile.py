@@ -21,112 +21,20 @@ import sys
 import time
 from collections.abc import Sequence
 
-from ode_lm import cli
-
-GiB = 1024**3
 # Compile-only TPU devices never touch hardware, so several compiles may share libtpu.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
+from ode_lm import cli  # noqa: E402
+from ode_lm.bench.topology import (  # noqa: E402,F401  (re-exported for tests)
+    CHIPS,
+    Chip,
+    Topology,
+    libtpu_available,
+    parse_topology,
+    topology_devices,
+)
 
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    """Per-chip facts of a TPU generation (public Cloud TPU specs)."""
-
-    name: str
-    hbm_bytes: int
-    peak_bf16_flops: float
-    cores_in_name: int  # v4-64 / v5p-128 count TensorCores (2 per chip); v5e / v6e chips
-    dims: int  # 3-D torus (v4, v5p) or 2-D (v5e, v6e)
-    chip_config_name: str | None = None
-
-
-CHIPS = {
-    "v4": Chip("v4", 32 * GiB, 275e12, 2, 3, "megacore"),
-    "v5p": Chip("v5p", 95 * GiB, 459e12, 2, 3),
-    "v5e": Chip("v5e", 16 * GiB, 197e12, 1, 2),
-    "v6e": Chip("v6e", 32 * GiB, 918e12, 1, 2),
-}
-ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6lite": "v6e"}
-# Standard slice shapes by chip count (Cloud TPU docs).
-SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
-             128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
-             2048: (8, 16, 16), 4096: (16, 16, 16)}
-SHAPES_2D = {4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8), 128: (8, 16),
-             256: (16, 16)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Topology:
-    name: str  # as given
-    raw: str  # libtpu form, e.g. v5p:4x4x4
-    chip: Chip
-    chips_per_slice: int
-    num_slices: int = 1
-
-    @property
-    def num_chips(self) -> int:
-        return self.chips_per_slice * self.num_slices
-
-
-def parse_topology(name: str, num_slices: int = 1) -> Topology:
-    """'v5p-128' / 'v5e-256' / 'v4-64' / 'v6e-256' or raw 'v5p:4x4x4' -> Topology."""
-    if num_slices < 1:
-        raise ValueError(f"--num_slices={num_slices}: must be >= 1")
-    known = ", ".join(sorted(CHIPS))
-    if m := re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)+)", name):
-        gen, dims = ALIASES.get(m[1], m[1]), tuple(int(d) for d in m[2].split("x"))
-        if gen not in CHIPS:
-            raise ValueError(f"--topology={name!r}: unknown TPU generation {m[1]!r} ({known})")
-        chip = CHIPS[gen]
-        if len(dims) != chip.dims or min(dims) < 1:
-            raise ValueError(f"--topology={name!r}: {gen} needs {chip.dims} dimensions, "
-                             f"e.g. {gen}:{'x'.join(['2'] * chip.dims)}")
-        return Topology(name, f"{gen}:{m[2]}", chip, math.prod(dims), num_slices)
-    if m := re.fullmatch(r"([a-z0-9]+)-(\d+)", name):
-        gen = ALIASES.get(m[1], m[1])
-        if gen not in CHIPS:
-            raise ValueError(f"--topology={name!r}: unknown TPU generation {m[1]!r} ({known})")
-        chip = CHIPS[gen]
-        cores = int(m[2])
-        chips = cores // chip.cores_in_name
-        shapes = SHAPES_3D if chip.dims == 3 else SHAPES_2D
-        if cores % chip.cores_in_name or chips not in shapes:
-            sizes = ", ".join(f"{gen}-{c * chip.cores_in_name}" for c in shapes)
-            example = f"{gen}:{'x'.join(['2'] * chip.dims)}"
-            raise ValueError(f"--topology={name!r}: no standard {gen} slice of that size "
-                             f"({sizes}); give a raw shape such as {example}")
-        raw = f"{gen}:{'x'.join(str(d) for d in shapes[chips])}"
-        return Topology(name, raw, chip, chips, num_slices)
-    raise ValueError(f"--topology={name!r}: expected e.g. v5p-128, v5e-256, v4-64, v6e-256 "
-                     "or a raw shape such as v5p:4x4x4")
-
-
-def topology_devices(topo: Topology) -> list:
-    """Compile-only TPU devices for the topology (needs libtpu)."""
-    from jax.experimental import topologies
-
-    kwargs = {"num_slices": topo.num_slices} if topo.num_slices > 1 else {}
-    if topo.chip.chip_config_name:
-        kwargs["chip_config_name"] = topo.chip.chip_config_name
-    try:
-        desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.raw, **kwargs)
-    except RuntimeError as e:
-        if "not installed" in str(e):
-            raise RuntimeError("libtpu is not installed: pip install -e '.[tpu]' "
-                               "(the [tpu] extra, about 210 MB)") from None
-        raise ValueError(f"--topology={topo.name!r} ({topo.raw}): libtpu rejected it: "
-                         f"{str(e).splitlines()[0]}") from None
-    devices = list(desc.devices)
-    if len(devices) != topo.num_chips:
-        raise ValueError(f"--topology={topo.name!r}: libtpu made {len(devices)} devices, "
-                         f"expected {topo.num_chips} chips")
-    return devices
-
-
-def libtpu_available() -> bool:
-    from jax._src import cloud_tpu_init
-
-    return cloud_tpu_init.get_tpu_library_path() is not None
+GiB = 1024**3
 
 
 # ------------------------------------------------------------------------- compile
@@ -150,6 +58,9 @@ class Report:
     compiled_flops: float = float("nan")  # per chip, from XLA's cost analysis
     analytic_flops_per_token: float = float("nan")
     error: str = ""
+    label: str = ""  # "" for the configured model, "vanilla" for the baseline
+    comm: dict = dataclasses.field(default_factory=dict)  # the --json layout (report_json)
+    comm_lines: list = dataclasses.field(default_factory=list)
 
     @property
     def per_chip_batch(self) -> float:
@@ -193,17 +104,61 @@ def count_params(abstract_params) -> tuple[int, int]:
     return total, hyper
 
 
-def analytic_flops_per_token(model, num_steps: int | None, seq_len: int) -> float:
-    """Training FLOPs per token from ode_lm.models.accounting (NaN if unavailable)."""
-    try:
-        from ode_lm.models.accounting import flops_per_token
-    except ImportError:
-        return float("nan")
-    return float(flops_per_token(model, num_steps, seq_len=seq_len).training)
+def analytic_flops_per_token(model, num_steps: int | None, seq_len: int,
+                             tokens_per_batch: int | None = None) -> float:
+    """Training FLOPs per token from ode_lm.models.accounting (the trainer's MFU count)."""
+    from ode_lm.models.accounting import flops_per_token
+
+    return float(flops_per_token(model, num_steps, seq_len=seq_len,
+                                 tokens_per_batch=tokens_per_batch).training)
 
 
-def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: int) -> Report:
-    """Lower + compile the trainer's jit'ed train step on the topology's mesh."""
+def vanilla_config(cfg: dict) -> dict:
+    """The discrete (sequential) baseline of the same width and depth: one layer per
+    vector-field evaluation of the configured ODE (N·stages)."""
+    from ode_lm.models.solvers import num_stages
+
+    model, step = cfg["model"], cfg["step"]
+    if model.architecture != "ode":
+        raise ValueError(f"--vanilla: ModelConfig.architecture={model.architecture!r} is "
+                         "already discrete")
+    layers = (step.num_steps or model.num_steps) * num_stages(step.solver or model.solver)
+    vanilla = dataclasses.replace(model, architecture="sequential", num_layers=layers)
+    return {**cfg, "model": vanilla}
+
+
+def analyze_compiled(report: Report, hlo_text: str, model, abstract_params,
+                     num_steps: int | None, solver: str | None) -> None:
+    """Fill report.comm / comm_lines: collectives and roofline estimate from the HLO."""
+    from ode_lm.bench import hlo_report, step_report
+    from ode_lm.models.solvers import num_stages
+
+    cost = hlo_report.analyze(hlo_text)
+    ode = model.architecture == "ode"
+    evals = ((num_steps or model.num_steps) * num_stages(solver or model.solver) if ode
+             else model.num_layers)
+    comm = step_report.analytic_min(abstract_params, evaluations=evals,
+                                    time_embed_dim=model.time_embed_dim, ode=ode)
+    gathers = (step_report.gathered_weights(cost, abstract_params,
+                                            time_embed_dim=model.time_embed_dim)
+               if ode else None)
+    chips = report.topology.num_chips
+    analytic = report.analytic_flops_per_token * report.tokens_per_step / chips
+    spec = report.topology.chip.spec
+    estimate = hlo_report.roofline(
+        cost, peak_flops=report.topology.chip.peak_flops(model.dtype),
+        hbm_bandwidth=spec.hbm_bandwidth, ici_bandwidth=spec.ici_bandwidth,
+        model_flops_per_chip=analytic)
+    report.comm = step_report.report_json(cost, comm, estimate, gathers=gathers,
+                                          flops_per_chip_analytic=analytic)
+    report.comm_lines = step_report.describe_comm(cost, comm, estimate, gathers, analytic,
+                                                  report.label)
+
+
+def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: int,
+                       label: str = "", comm: bool = True, hlo_path: str | None = None) -> Report:
+    """Lower + compile the trainer's jit'ed train step on the topology's mesh; with
+    ``comm`` also its communication report and roofline estimate (from the HLO)."""
     import jax
 
     from ode_lm import partitioning
@@ -226,9 +181,9 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     spec = state_lib.build_state_spec(trainer_lib.default_model_fn(model), tx, mesh, rules)
     total, hyper = count_params(spec.abstract_params)
     report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, total, hyper,
-                    fits=False, compile_seconds=0.0,
+                    fits=False, compile_seconds=0.0, label=label,
                     analytic_flops_per_token=analytic_flops_per_token(
-                        model, cfg["step"].num_steps, data.seq_len))
+                        model, cfg["step"].num_steps, data.seq_len, global_batch * data.seq_len))
     step_fn = step_lib.jit_train_step(spec, schedule, cfg["step"])
     batch = step_lib.abstract_batch(spec, global_batch, data.seq_len)
     start = time.perf_counter()
@@ -255,6 +210,16 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     report.compiled_flops = float(cost.get("flops", float("nan")))
     report.fits = report.peak_bytes <= topo.chip.hbm_bytes
+    text = compiled.as_text() if comm or hlo_path else ""
+    if hlo_path:
+        try:
+            with open(hlo_path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise OSError(f"--hlo={hlo_path}: cannot write: {e.strerror}") from None
+    if comm:
+        analyze_compiled(report, text, model, spec.abstract_params,
+                         cfg["step"].num_steps, cfg["step"].solver)
     return report
 
 
@@ -277,7 +242,7 @@ def search_batch(cfg: dict, topo: Topology, devices: list, shards: int, log=prin
     """Largest per-chip batch (a multiple of the batch shards' share) that fits."""
 
     def attempt(per_chip: int) -> Report:
-        r = compile_train_step(cfg, topo, devices, per_chip * topo.num_chips)
+        r = compile_train_step(cfg, topo, devices, per_chip * topo.num_chips, comm=False)
         log(f"  per-chip batch {per_chip}: peak {r.peak_bytes / GiB:.2f} GiB -> "
             f"{'fits' if r.fits else 'does not fit'} ({r.compile_seconds:.0f}s)")
         return r
@@ -329,6 +294,7 @@ def describe(r: Report, step_time: float) -> str:
         lines.append(
             f"FLOPs/chip   compiled {r.compiled_flops:.3e} vs analytic {analytic:.3e} per step "
             f"(ratio {ratio:.2f}; XLA counts a scanned loop body once)")
+        lines += r.comm_lines
         if not math.isnan(r.analytic_flops_per_token):
             lines.append(f"MFU          {100 * r.mfu(step_time):.1f}% expected at "
                          f"{step_time:g} s/step ({r.analytic_flops_per_token:.3e} FLOPs/token)")
@@ -336,17 +302,52 @@ def describe(r: Report, step_time: float) -> str:
     return "\n".join(lines)
 
 
-def table_row(label: str, r: Report) -> str:
+def table_row(label: str, r: Report, vanilla: Report | None = None) -> str:
+    """A README AOT-table row; with the vanilla baseline, the estimate columns side by side."""
     mesh = "x".join(str(v) for v in r.mesh_shape.values())
     used = f"{r.peak_bytes / GiB:.1f} GiB" if not r.error else (
         f"≥ {r.peak_bytes / GiB:.0f} GiB" if r.peak_bytes else "> HBM")
-    return (f"| {label} | {r.params_hypernetwork / 1e9:.3g}B | {r.params_total / 1e9:.3g}B | "
-            f"{r.topology.name} | {mesh} | {r.global_batch}x{r.seq_len} | {used} / "
-            f"{r.topology.chip.hbm_bytes / GiB:.0f} GiB | {'yes' if r.fits else 'no'} |")
+    row = (f"| {label} | {r.params_hypernetwork / 1e9:.3g}B | {r.params_total / 1e9:.3g}B | "
+           f"{r.topology.name} | {mesh} | {r.global_batch}x{r.seq_len} | {used} / "
+           f"{r.topology.chip.hbm_bytes / GiB:.0f} GiB | {'yes' if r.fits else 'no'} |")
+    if vanilla is None:
+        return row
+
+    def est(x: Report) -> tuple[str, str]:
+        e = x.comm.get("estimate")
+        return (f"{100 * e['mfu']:.0f}%", e["bound"]) if e else ("n/a", "n/a")
+
+    (om, ob), (vm, vb) = est(r), est(vanilla)
+    ratio = (r.comm["collective_bytes_per_chip"] / vanilla.comm["collective_bytes_per_chip"]
+             if r.comm and vanilla.comm else math.nan)
+    return row + f" {om} / {vm} | {ob} / {vb} | {ratio:.2f} |"
+
+
+def write_json(path: str, reports: list[Report]) -> None:
+    """--json: the first report's layout at the top level, the baseline under 'vanilla'."""
+    import json
+
+    def one(r: Report) -> dict:
+        return {"label": r.label or "model", "topology": r.topology.name,
+                "mesh": r.mesh_shape, "global_batch": r.global_batch, "seq_len": r.seq_len,
+                "fits": r.fits, "peak_bytes_per_chip": r.peak_bytes, **r.comm}
+
+    out = one(reports[0])
+    if len(reports) > 1:
+        out["vanilla"] = one(reports[1])
+        base = reports[1].comm.get("collective_bytes_per_chip") or math.nan
+        out["collective_bytes_ratio_vs_vanilla"] = out.get("collective_bytes_per_chip",
+                                                           math.nan) / base
+    try:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
+    except OSError as e:
+        raise OSError(f"--json={path}: cannot write: {e.strerror}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+    cli.setup_logging()  # warnings only; gin's "Path not found" search noise dropped
+    p = cli.ArgumentParser(prog="aot_compile.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], required=True)
     p.add_argument("--topology", required=True, help="v5p-128, v5e-256, v4-64, v6e-256, v5p:4x4x4")
     p.add_argument("--num_slices", type=int, default=1)
@@ -355,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--step_time", type=float, default=1.0, help="seconds/step for the MFU line")
     p.add_argument("--search", action="store_true", help="find the largest per-chip batch")
     p.add_argument("--table_label", help="also print a README table row with this label")
+    p.add_argument("--vanilla", action="store_true",
+                   help="also compile the discrete baseline of the same width and depth")
+    p.add_argument("--json", help="write the communication report and estimate to this file")
+    p.add_argument("--hlo", help="write the compiled (post-optimisation) HLO text to this file")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--gin.")]
     if bad:
@@ -362,6 +367,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.step_time <= 0:
             raise ValueError(f"--step_time={args.step_time}: must be > 0")
+        for flag in ("json", "hlo"):
+            path = getattr(args, flag)
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"--{flag}={path}: no such directory")
         topo = parse_topology(args.topology, args.num_slices)
         if args.remat:
             rest.append(f"--gin.ModelConfig.remat='{args.remat}'")
@@ -378,15 +387,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             rules = partitioning.axis_rules(cfg["mesh"].rule_overrides)
             report = search_batch(cfg, topo, devices, partitioning.batch_shards(mesh, rules))
         else:
-            report = compile_train_step(cfg, topo, devices, batch)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+            report = compile_train_step(cfg, topo, devices, batch, hlo_path=args.hlo)
+        reports = [report]
+        if args.vanilla and not args.search:
+            reports.append(compile_train_step(vanilla_config(cfg), topo, devices,
+                                              report.global_batch, label="vanilla"))
+        if args.json:
+            write_json(args.json, reports)
+    except (ValueError, OSError, RuntimeError) as e:
         if os.environ.get("ODE_LM_DEBUG"):
             raise
         print(f"aot_compile.py: error: {_first_line(str(e))}", file=sys.stderr)
         return 2
     print(describe(report, args.step_time))
+    if len(reports) > 1:
+        v = reports[1]
+        print(f"vanilla      sequential baseline, {v.params_total:,} params, "
+              f"{cfg['model'].d_model} wide, {vanilla_config(cfg)['model'].num_layers} layers")
+        print("\n".join(v.comm_lines))
+        if report.comm and v.comm:
+            ob, vb = (x.comm["collective_bytes_per_chip"] for x in (report, v))
+            ot, vt = (x.comm["estimate"]["step_s"] for x in (report, v))
+            print(f"ode/vanilla  collective bytes x{ob / vb:.2f}, estimated step x{ot / vt:.2f}")
     if args.table_label:
-        print(table_row(args.table_label, report))
+        print(table_row(args.table_label, report, reports[1] if len(reports) > 1 else None))
     if not report.fits:
         need = (f"{report.peak_bytes / GiB:.2f} GiB" if not report.error else
                 f"at least {report.peak_bytes / GiB:.1f} GiB" if report.peak_bytes else

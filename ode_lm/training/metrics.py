@@ -18,20 +18,10 @@ import jax
 import numpy as np
 from clu import metrics as clu_metrics
 
-# Dense peak FLOP/s per chip: (bf16, fp32). fp32 on GPUs means TF32 tensor cores (JAX's
-# default matmul precision there); TPUs run fp32 matmuls through the bf16 MXU passes.
-PEAK_FLOPS: dict[str, tuple[float, float]] = {
-    "tpu v4": (275e12, 275e12),
-    "tpu v5 lite": (197e12, 197e12),  # v5e
-    "tpu v5e": (197e12, 197e12),
-    "tpu v5p": (459e12, 459e12),
-    "tpu v5": (459e12, 459e12),  # v5p reports 'TPU v5'
-    "tpu v6 lite": (918e12, 918e12),  # v6e (Trillium)
-    "tpu v6e": (918e12, 918e12),
-    "a100": (312e12, 156e12),
-    "h100": (989e12, 494e12),
-    "h200": (989e12, 494e12),
-}
+from ode_lm.hardware import peak_flops_table
+
+# Dense peak FLOP/s per chip: (bf16, fp32), from the one chip table in ode_lm/hardware.py.
+PEAK_FLOPS: dict[str, tuple[float, float]] = peak_flops_table()
 DEFAULT_CPU_PEAK_FLOPS = 300e9  # measured fp32 matmul peak of this 2-core host, per process
 
 

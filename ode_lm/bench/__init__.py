@@ -1,0 +1,1 @@
+"""Benchmark and compiled-program analysis helpers."""
