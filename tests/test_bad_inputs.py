@@ -107,6 +107,9 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train: changed width on a run": ([*TRAIN, "--gin.D_MODEL=64"], "block/"),
     "train: batch not divisible": ([*TRAIN, "--gin.BATCH_SIZE=6"], "global_batch_size=6"),
     "train: sequence too long": ([*TRAIN, "--gin.DataConfig.seq_len=4096"], "seq_len"),
+    "train: data dir prepared with another holdout": (
+        [*TRAIN, "--gin.DataConfig.holdout_fraction=0.5"], "holdout_fraction"),
+    "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128"),
     "train: binding syntax": ([*TRAIN, "--gin_bindings=ModelConfig.d_model = = 3"],
                               "ModelConfig.d_model"),
     "train: unclosed bracket": ([*TRAIN, "--gin.MeshConfig.ici_parallelism=(1, -1"],
