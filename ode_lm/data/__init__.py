@@ -7,7 +7,7 @@ Public API (see WORKSPACE.md "Data"): ``DataConfig``, ``get_tokenizer``, ``padde
 
 from ode_lm.data.config import DataConfig
 from ode_lm.data.eval import check_eval_split, make_eval_batches, make_eval_iterator
-from ode_lm.data.pipeline import make_train_iterator, to_global_batch
+from ode_lm.data.pipeline import to_global_batch
 from ode_lm.data.prepare import (
     PreparedDataError,
     check_tokenizer,
@@ -17,6 +17,7 @@ from ode_lm.data.prepare import (
 )
 from ode_lm.data.sources import SourceError
 from ode_lm.data.tokenizers import Tokenizer, get_tokenizer, padded_vocab_size
+from ode_lm.data.train_data import make_train_iterator
 
 __all__ = [
     "DataConfig", "PreparedDataError", "SourceError", "Tokenizer",

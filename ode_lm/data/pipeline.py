@@ -1,7 +1,8 @@
 """The training pipeline: shards -> epoch-aware shuffle -> host slice -> pack -> batch -> prefetch.
 
-``make_train_iterator`` returns a checkpointable grain ``DatasetIterator`` of host-local
-batches (see ``ode_lm.data.packing`` for the batch format and mask rule);
+``make_prepared_iterator`` (via ``data.make_train_iterator``) returns a checkpointable grain
+``DatasetIterator`` of host-local batches (see ``ode_lm.data.packing`` for the batch format
+and mask rule);
 ``to_global_batch`` turns one into global ``jax.Array``s sharded over ``activation_batch``.
 
 Order: host ``p`` of ``P`` reads the global document sequence ``g = p, p + P, p + 2P, ...``
@@ -326,17 +327,12 @@ def open_split(cfg: DataConfig, split: str) -> tuple[dict[str, Any], ShardRecord
     return manifest, ShardRecords(paths, counts, manifest["dtype"], cfg.num_threads)
 
 
-def make_train_iterator(cfg: DataConfig, *, process_index: int | None = None,
-                        process_count: int | None = None, start_step: int = 0,
-                        split: str = "train") -> grain.DatasetIterator:
-    """Host-local training batches of ``global_batch_size // process_count`` rows."""
-    p, pc = resolve_processes(process_index, process_count)
+def make_prepared_iterator(cfg: DataConfig, *, process_index: int, process_count: int,
+                           start_step: int = 0, split: str = "train") -> grain.DatasetIterator:
+    """Host-local training batches of ``global_batch_size // process_count`` rows from the
+    prepared shards (``data.make_train_iterator`` picks this or streaming)."""
+    p, pc = process_index, process_count
     rows = host_rows(cfg.global_batch_size, pc)
-    if cfg.streaming:
-        from ode_lm.data.streaming import make_streaming_iterator
-
-        return make_streaming_iterator(cfg, process_index=p, process_count=pc,
-                                       start_step=start_step)
     manifest, records = open_split(cfg, split)
     info = manifest["splits"][split]
     width = cfg.seq_len + 1
