@@ -14,6 +14,8 @@ import types
 import typing
 from typing import Any, Union
 
+import gin
+
 _NO_VALUE = object()
 
 
@@ -88,3 +90,12 @@ def check_types(config: Any) -> None:
             raise TypeError(f"{cls.__name__}.{field.name}={value!r}: expected {_describe(tp)}")
         if out is not value:
             object.__setattr__(config, field.name, out)
+
+
+def register_with_gin(cls: type) -> Any:
+    """``cls`` as a gin configurable in module ``ode_lm`` (bound as ``ClassName.field``);
+    the existing one when the module is imported again (tests reload modules)."""
+    try:
+        return gin.external_configurable(cls, module="ode_lm")
+    except ValueError:  # already registered
+        return gin.get_configurable(cls.__name__)

@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-import gin
 import jax
+
+from ode_lm.config_types import register_with_gin
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +67,7 @@ class DistributedConfig:
             )
 
 
-def _register_gin(cls):
-    try:
-        return gin.external_configurable(cls, module="ode_lm")
-    except ValueError:  # already registered (module re-imported in tests)
-        return gin.get_configurable(cls.__name__)
-
-
-GinDistributedConfig = _register_gin(DistributedConfig)
+GinDistributedConfig = register_with_gin(DistributedConfig)
 
 
 @dataclasses.dataclass(frozen=True)

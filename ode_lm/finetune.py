@@ -26,7 +26,7 @@ import gin
 import jax
 from flax import nnx
 
-from ode_lm.config_types import check_types
+from ode_lm.config_types import check_types, register_with_gin
 from ode_lm.export.source import FINETUNE_FILE, run_data_dir
 from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
 from ode_lm.models.config import ModelConfig
@@ -162,14 +162,7 @@ def write_finetune_info(model_dir: str, cfg: FinetuneConfig, step: int) -> None:
 # ------------------------------------------------------------------------------ entry
 
 
-def _register(cls):
-    try:
-        return gin.external_configurable(cls, module="ode_lm")
-    except ValueError:
-        return gin.get_configurable(cls.__name__)
-
-
-GinFinetuneConfig = _register(FinetuneConfig)
+GinFinetuneConfig = register_with_gin(FinetuneConfig)
 
 
 @gin.configurable("finetune", module="ode_lm")

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import gin
 
+from ode_lm.config_types import register_with_gin
 from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
@@ -30,20 +31,13 @@ from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer, TrainResul
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
-def _register(cls):
-    try:
-        return gin.external_configurable(cls, module="ode_lm")
-    except ValueError:  # already registered (module re-imported in tests)
-        return gin.get_configurable(cls.__name__)
-
-
-GinModelConfig = _register(ModelConfig)
-GinDataConfig = _register(DataConfig)
-GinOptimizerConfig = _register(OptimizerConfig)
-GinStepConfig = _register(StepConfig)
-GinCheckpointConfig = _register(CheckpointConfig)
-GinMeshConfig = _register(MeshConfig)
-GinTrainConfig = _register(TrainConfig)
+GinModelConfig = register_with_gin(ModelConfig)
+GinDataConfig = register_with_gin(DataConfig)
+GinOptimizerConfig = register_with_gin(OptimizerConfig)
+GinStepConfig = register_with_gin(StepConfig)
+GinCheckpointConfig = register_with_gin(CheckpointConfig)
+GinMeshConfig = register_with_gin(MeshConfig)
+GinTrainConfig = register_with_gin(TrainConfig)
 
 
 @dataclasses.dataclass
