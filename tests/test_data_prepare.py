@@ -11,8 +11,15 @@ import numpy as np
 import pytest
 from data_helpers import small_texts, write_jsonl
 
-from ode_lm.data import DataConfig, PreparedDataError, check_tokenizer, load_manifest, prepare
-from ode_lm.data.pipeline import make_train_iterator, open_split
+from ode_lm.data import (
+    DataConfig,
+    PreparedDataError,
+    check_tokenizer,
+    load_manifest,
+    make_train_iterator,
+    prepare,
+)
+from ode_lm.data.pipeline import open_split
 from ode_lm.data.prepare import is_validation, token_dtype
 from ode_lm.data.tokenizers import train_bpe
 
