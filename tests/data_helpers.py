@@ -83,3 +83,16 @@ def run_resume_script(cfg, mode, ckpt, out, k):
     data = np.load(out)
     return [{key: data[f"{i}_{key}"] for key in ("inputs", "targets", "segment_ids", "positions",
                                                   "loss_mask")} for i in range(k)]
+
+
+# The micro DiffEqFormer of the CLI tests (seconds to compile on 2 cores): prepend to a run's
+# gin text, which adds SEQ_LEN, BATCH_SIZE, VOCAB_SIZE, DATA_DIR, MODEL_DIR and the loop.
+MICRO_MODEL_GIN = """include 'models/tiny.gin'
+include 'data/builtin.gin'
+D_MODEL = 32
+NUM_HEADS = 2
+ODE_STEPS = 2
+TIME_EMBED_DIM = 4
+TOKENIZER = 'bytes'
+ModelConfig.sinusoidal_dim = 4
+"""

@@ -15,25 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from data_helpers import MICRO_MODEL_GIN
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-MICRO_GIN = """
-include 'models/tiny.gin'
-include 'data/builtin.gin'
-D_MODEL = 32
-NUM_HEADS = 2
-ODE_STEPS = 2
-TIME_EMBED_DIM = 4
-SEQ_LEN = 32
+MICRO_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
 BATCH_SIZE = 8
 VOCAB_SIZE = 384
-TOKENIZER = 'bytes'
 DATA_DIR = '{data_dir}'
 MODEL_DIR = '{model_dir}'
 TRAIN_STEPS = 2
-ModelConfig.sinusoidal_dim = 4
 train.model_dir = %MODEL_DIR
 train.num_train_steps = %TRAIN_STEPS
 TrainConfig.log_every = 1

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from data_helpers import small_texts, take, write_jsonl
+from data_helpers import MICRO_MODEL_GIN, small_texts, take, write_jsonl
 
 from ode_lm.data import (
     DataConfig,
@@ -301,19 +301,10 @@ def test_trainer_refuses_an_empty_validation_split_before_any_step(tmp_path, cap
     src = write_jsonl(tmp_path / "raw.jsonl", small_texts(40))
     model_dir = tmp_path / "run"
     gin = tmp_path / "run.gin"
-    gin.write_text(f"""
-include 'models/tiny.gin'
-include 'data/builtin.gin'
-D_MODEL = 32
-NUM_HEADS = 2
-ODE_STEPS = 2
-TIME_EMBED_DIM = 4
-SEQ_LEN = 16
+    gin.write_text(f"""{MICRO_MODEL_GIN}SEQ_LEN = 16
 BATCH_SIZE = 8
 VOCAB_SIZE = 384
-TOKENIZER = 'bytes'
 DATA_DIR = '{tmp_path / "data"}'
-ModelConfig.sinusoidal_dim = 4
 DataConfig.source = '{src}'
 DataConfig.holdout_fraction = 0.0
 train.model_dir = '{model_dir}'

@@ -20,6 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from data_helpers import MICRO_MODEL_GIN
 from orbax.checkpoint._src.serialization import serialization as orbax_serialization
 
 from ode_lm.data import DataConfig
@@ -253,21 +254,12 @@ def test_trainer_stops_at_failed_save_and_latest_is_first_save(run2, data_config
     assert step == 1 and ckpt_lib.tree_equal(host(params), host(expected))
 
 
-CLI_GIN = """
-include 'models/tiny.gin'
-include 'data/builtin.gin'
-D_MODEL = 32
-NUM_HEADS = 2
-ODE_STEPS = 2
-TIME_EMBED_DIM = 4
-SEQ_LEN = 32
+CLI_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
 BATCH_SIZE = 8
 VOCAB_SIZE = 384
-TOKENIZER = 'bytes'
 DATA_DIR = '{data_dir}'
 MODEL_DIR = '{model_dir}'
 TRAIN_STEPS = 6
-ModelConfig.sinusoidal_dim = 4
 train.model_dir = %MODEL_DIR
 train.num_train_steps = %TRAIN_STEPS
 TrainConfig.log_every = 1

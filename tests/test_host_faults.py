@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from data_helpers import MICRO_MODEL_GIN
 
 from ode_lm import distributed
 
@@ -242,19 +243,10 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
 
 # ------------------------------------------------- a failed run's stderr is its one line
 
-LATE_FAILURE_GIN = """
-include 'models/tiny.gin'
-include 'data/builtin.gin'
-D_MODEL = 32
-NUM_HEADS = 2
-ODE_STEPS = 2
-TIME_EMBED_DIM = 4
-SEQ_LEN = 32
+LATE_FAILURE_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
 VOCAB_SIZE = 128
-TOKENIZER = 'bytes'
 DATA_DIR = '{data_dir}'
 MODEL_DIR = '{model_dir}'
-ModelConfig.sinusoidal_dim = 4
 train.model_dir = %MODEL_DIR
 train.num_train_steps = 2
 """

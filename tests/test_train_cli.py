@@ -18,25 +18,17 @@ import time
 from pathlib import Path
 
 import pytest
+from data_helpers import MICRO_MODEL_GIN
 
 pytestmark = pytest.mark.slow
 
 K = 4  # the killed run is stopped somewhere in the first K steps of 2K
-MICRO_GIN = """
-include 'models/tiny.gin'
-include 'data/builtin.gin'
-D_MODEL = 32
-NUM_HEADS = 2
-ODE_STEPS = 2
-TIME_EMBED_DIM = 4
-SEQ_LEN = 32
+MICRO_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
 BATCH_SIZE = 8
 VOCAB_SIZE = 384
-TOKENIZER = 'bytes'
 DATA_DIR = '{data_dir}'
 MODEL_DIR = '{model_dir}'
 TRAIN_STEPS = {steps}
-ModelConfig.sinusoidal_dim = 4
 # the depth-robust recipe, so exact resume covers random step counts, grid offsets and the
 # kinetic-energy regulariser (the model's own N=2 is what eval/loss uses)
 ModelConfig.time_scale = 4.0
