@@ -11,12 +11,21 @@ target is not padding and either input and target belong to the same piece or th
 EOS (the prediction of a document's first token after the previous document's EOS, as in
 GPT-2 training). Predictions across any other piece boundary (the end of a cut piece followed
 by an unrelated document, in first-fit) are masked.
+
+``Packer`` is the one packer of both training pipelines: it reads a host's document sequence
+block by block from a ``DocumentBlocks`` source (prepared shards: ``pipeline.PreparedBlocks``;
+streaming files: ``streaming.StreamingBlocks``) and packs it with ``concat`` or ``first_fit``.
+Its state ``{"doc", "offset", "carry"}`` (next host document, tokens already used of it,
+first-fit pieces ``[doc, offset, length]`` waiting for room) is exact to the token; a source
+adds its own keys (streaming: ``window``, ``reader``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+import grain
 import numpy as np
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -92,3 +101,179 @@ class FirstFit:
     @property
     def full(self) -> bool:
         return max(self.space) == 0
+
+
+class DocumentBlocks(Protocol):
+    """A host's document sequence in blocks of ``block_size`` (what ``Packer`` reads)."""
+
+    block_size: int
+
+    def read_block(self, b: int) -> list[np.ndarray]:
+        """Documents ``[b * block_size, (b + 1) * block_size)``; short or empty at the end."""
+
+    def release(self, low_block: int) -> None:
+        """Blocks below ``low_block`` are never read again (the packer's state is past them)."""
+
+    def get_state(self, min_doc: int) -> dict[str, Any]:
+        """Extra state keys, for a packer whose oldest needed document is ``min_doc``."""
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restore from a full iterator state (the packer's keys and the source's)."""
+
+    def epoch(self, doc: int, min_doc: int) -> int:
+        """The epoch of host document ``doc``."""
+
+    def close(self) -> None:
+        """Frees worker processes, readers."""
+
+
+class Packer(grain.DatasetIterator):
+    """Packs a ``DocumentBlocks`` source into batches (module docstring: state, batch rule)."""
+
+    def __init__(self, source: DocumentBlocks, *, rows: int, width: int, packing: str,
+                 eos_id: int, max_carry: int, start_doc: int = 0) -> None:
+        super().__init__()
+        self._source, self._block_size = source, source.block_size
+        self._rows, self._width, self._packing = rows, width, packing
+        self._eos, self._max_carry = eos_id, max_carry
+        self._doc, self._offset = start_doc, 0
+        self._carry: list[list[int]] = []  # [doc, offset, length]
+        self._blocks: dict[int, tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    # -- reading ---------------------------------------------------------------------------
+    def _block(self, b: int) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+        """(docs, flat tokens, doc start offsets (n+1), doc index per token) of block b."""
+        if b not in self._blocks:
+            docs = self._source.read_block(b)
+            lens = np.fromiter((len(d) for d in docs), np.int64, len(docs))
+            starts = np.zeros(len(docs) + 1, np.int64)
+            np.cumsum(lens, out=starts[1:])
+            flat = np.concatenate(docs) if docs else np.zeros(0, np.int64)
+            docid = np.repeat(np.arange(len(docs), dtype=np.int32), lens)
+            self._blocks[b] = (docs, flat, starts, docid)
+        return self._blocks[b]
+
+    def _min_doc(self) -> int:
+        return min([self._doc] + [c[0] for c in self._carry])
+
+    def _release(self) -> None:
+        """After a batch: drop the blocks the state no longer reaches (carry included)."""
+        low = self._min_doc() // self._block_size
+        for old in [x for x in self._blocks if x < low]:
+            del self._blocks[old]
+        self._source.release(low)
+
+    def _get(self, k: int) -> np.ndarray | None:
+        """Host document k, or None past the end of the stream."""
+        b, i = divmod(k, self._block_size)
+        docs = self._blocks[b][0] if b in self._blocks else self._block(b)[0]
+        return docs[i] if i < len(docs) else None
+
+    def _next_piece(self, limit: int) -> tuple[int, int, np.ndarray] | None:
+        """The next at most ``limit`` unread tokens of the current document."""
+        doc = self._get(self._doc)
+        if doc is None:
+            return None
+        k, off = self._doc, self._offset
+        piece = doc[off:off + limit]
+        if off + len(piece) >= len(doc):
+            self._doc, self._offset = self._doc + 1, 0
+        else:
+            self._offset += len(piece)
+        return k, off, piece
+
+    # -- packing ---------------------------------------------------------------------------
+    def _concat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Vectorised per block: slices of the flat token stream, no per-document Python."""
+        need = self._rows * self._width
+        parts, pids = [], []
+        while need > 0:
+            b, i = divmod(self._doc, self._block_size)
+            docs, flat, starts, docid = self._block(b)
+            if i >= len(docs):
+                raise StopIteration
+            pos = int(starts[i]) + self._offset
+            take = min(int(starts[-1]) - pos, need)
+            parts.append(flat[pos:pos + take])
+            pids.append(docid[pos:pos + take] + np.int32(b * self._block_size % (1 << 30)))
+            end = pos + take
+            j = int(np.searchsorted(starts, end, side="right")) - 1
+            if j >= len(docs):
+                self._doc, self._offset = (b + 1) * self._block_size, 0
+            else:
+                self._doc, self._offset = b * self._block_size + j, end - int(starts[j])
+            need -= take
+        flat_out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        pid = np.concatenate(pids) if len(pids) > 1 else pids[0]
+        return rows_from_flat(flat_out, pid, self._rows, self._width)
+
+    def _first_fit(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        ff = FirstFit(self._rows, self._width)
+        carry: list[list[int]] = []
+        for k, off, n in self._carry:
+            piece = self._get(k)[off:off + n]  # type: ignore[index]
+            if not ff.place(piece):
+                carry.append([k, off, n])
+        placed_any = len(carry) < len(self._carry)
+        while len(carry) < self._max_carry and not ff.full:
+            nxt = self._next_piece(self._width)
+            if nxt is None:
+                break
+            k, off, piece = nxt
+            if ff.place(piece):
+                placed_any = True
+            else:
+                carry.append([k, off, len(piece)])
+        if not placed_any:
+            raise StopIteration
+        self._carry = carry
+        return rows_from_pieces(ff.contents, self._width)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        with self._stats.record_self_time():
+            if self._packing == "concat":
+                state = self.get_state()
+                try:
+                    tok, seg, pos = self._concat()
+                except StopIteration:
+                    self.set_state(state)
+                    raise
+            else:
+                tok, seg, pos = self._first_fit()
+            self._release()
+            return to_batch(tok, seg, pos, self._eos)
+
+    def get_state(self) -> dict[str, Any]:
+        state = {"doc": self._doc, "offset": self._offset,
+                 "carry": [list(c) for c in self._carry]}
+        state.update(self._source.get_state(self._min_doc()))
+        return state
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._blocks = {}
+        self._doc, self._offset = int(state["doc"]), int(state["offset"])
+        self._carry = [[int(x) for x in c] for c in state.get("carry", [])]
+        self._source.set_state(state)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the next document this host reads."""
+        return self._source.epoch(self._doc, self._min_doc())
+
+    def close(self) -> None:
+        self._source.close()
+        super().close()
+
+
+class PackedDataset(grain.IterDataset):
+    """A ``Packer`` over a fresh source per iterator (a source holds readers, positions)."""
+
+    def __init__(self, make_source: Callable[[], DocumentBlocks], **packer_kwargs: Any) -> None:
+        super().__init__()
+        self._make_source, self._kwargs = make_source, packer_kwargs
+
+    def __iter__(self) -> Packer:
+        return Packer(self._make_source(), **self._kwargs)
+
+    def __str__(self) -> str:
+        return f"PackedDataset({self._kwargs['packing']})"

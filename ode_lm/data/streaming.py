@@ -4,7 +4,8 @@ Chain: per-epoch seeded file shuffle -> host's files (positions p, p+P, ... of e
 permutation) -> interleave ``interleave_files`` open files round-robin, one document at a time
 -> window of ``shuffle_window`` documents, tokenized together (threads inside the tokenizer,
 or ``num_workers`` processes; the order never depends on either) -> seeded permutation of the
-window -> the same packers and batch format as the prepared pipeline.
+window (``StreamingBlocks``: one window = one block) -> ``packing.Packer``, the prepared
+pipeline's packer and batch format.
 
 State (JSON): the packer's ``doc``/``offset``/``carry`` plus, for the oldest window still
 needed, the reader position at its start (next file, open files and documents consumed in
@@ -31,10 +32,11 @@ import grain
 import numpy as np
 from etils import epath
 
+from ode_lm.data import packing as packing_lib
 from ode_lm.data import sources as sources_lib
 from ode_lm.data import tokenizers as tok_lib
 from ode_lm.data.config import DataConfig
-from ode_lm.data.pipeline import PackedBatchIterator, feistel_permute
+from ode_lm.data.shuffle import feistel_permute
 
 _WORKER_TOK: dict[tuple[str, str], tok_lib.Tokenizer] = {}
 
@@ -129,16 +131,15 @@ class DocReader:
         return None
 
 
-class StreamingBatchIterator(PackedBatchIterator):
-    """The prepared pipeline's packer fed by windows of streamed, tokenized documents."""
+class StreamingBlocks:
+    """Streaming's ``packing.DocumentBlocks``: block ``w`` is shuffle window ``w`` (documents
+    read round-robin, tokenized together, then permuted). The state adds the reader position
+    at the start of the oldest window the packer still needs (``window``, ``reader``)."""
 
-    def __init__(self, cfg: DataConfig, files: HostFiles, *, rows: int, eos_id: int,
+    def __init__(self, cfg: DataConfig, files: HostFiles, *, eos_id: int,
                  start_file: int = 0) -> None:
-        super().__init__(None, None, rows=rows, width=cfg.seq_len + 1,  # type: ignore[arg-type]
-                         packing=cfg.packing, eos_id=eos_id,
-                         max_carry=cfg.first_fit_bins or rows)
-        self._cfg, self._files, self._W = cfg, files, max(1, cfg.shuffle_window)
-        self._block_size = self._W  # a block of the packer = one shuffle window
+        self._cfg, self._files, self._eos = cfg, files, eos_id
+        self.block_size = max(1, cfg.shuffle_window)
         self._tok = tok_lib.get_tokenizer(cfg.tokenizer, cfg.data_dir, num_threads=cfg.num_threads)
         self._pool: cf.ProcessPoolExecutor | None = None
         self._window_state: dict[int, dict[str, Any]] = {0: DocReader.initial(start_file)}
@@ -160,15 +161,15 @@ class StreamingBatchIterator(PackedBatchIterator):
             out.extend(ids)
         return out
 
-    def _load_window(self, w: int) -> list[np.ndarray]:
+    def read_block(self, w: int) -> list[np.ndarray]:
         if self._reader is None or self._reader_window != w:
             start = self._window_state.get(w)
             if start is None:  # windows are read in order: load the previous one first
-                self._load_window(w - 1)
+                self.read_block(w - 1)
                 start = self._window_state[w]
             self._reader = DocReader(self._files, self._cfg, start, self._skipped)
         texts = []
-        while len(texts) < self._W:
+        while len(texts) < self.block_size:
             doc = self._reader.next()
             if doc is None:
                 break
@@ -183,45 +184,25 @@ class StreamingBatchIterator(PackedBatchIterator):
             if docs else []
         return [docs[int(i)] for i in perm]
 
-    def _read_block(self, b: int) -> list[np.ndarray]:
-        docs = self._load_window(b)
-        for old in [x for x in self._window_state if x < self._min_doc() // self._W]:
+    def release(self, low_block: int) -> None:
+        for old in [x for x in self._window_state if x < low_block]:
             del self._window_state[old]
-        return docs
 
-    def _min_window(self) -> int:
-        return self._min_doc() // self._W
-
-    def get_state(self) -> dict[str, Any]:
-        state = super().get_state()
-        w = self._min_window()
-        state["window"], state["reader"] = w, self._window_state[w]
-        return state
+    def get_state(self, min_doc: int) -> dict[str, Any]:
+        w = min_doc // self.block_size
+        return {"window": w, "reader": self._window_state[w]}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        super().set_state(state)
-        w = int(state["window"])
-        self._window_state = {w: state["reader"]}
-        self._blocks, self._reader, self._reader_window = {}, None, -1
+        self._window_state = {int(state["window"]): state["reader"]}
+        self._reader, self._reader_window = None, -1
 
-    @property
-    def epoch(self) -> int:
-        return self._window_state[self._min_window()]["next_file"] // self._files.per_epoch
+    def epoch(self, doc: int, min_doc: int) -> int:
+        return self._window_state[min_doc // self.block_size]["next_file"] // self._files.per_epoch
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
             self._pool = None
-        super().close()
-
-
-class StreamingBatchDataset(grain.IterDataset):
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__()
-        self._kwargs = kwargs
-
-    def __iter__(self) -> StreamingBatchIterator:
-        return StreamingBatchIterator(**self._kwargs)
 
 
 def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_count: int,
@@ -251,8 +232,10 @@ def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_coun
                 break
         n_tokens = sum(len(x) + 1 for x in tok.encode_batch(texts)) if texts else 0
         start_file = int(start_step * rows * (cfg.seq_len + 1) // max(1, n_tokens))
-    ds: grain.IterDataset = StreamingBatchDataset(cfg=cfg, files=files, rows=rows,
-                                                  eos_id=tok.eos_id, start_file=start_file)
+    ds: grain.IterDataset = packing_lib.PackedDataset(
+        lambda: StreamingBlocks(cfg, files, eos_id=tok.eos_id, start_file=start_file),
+        rows=rows, width=cfg.seq_len + 1, packing=cfg.packing, eos_id=tok.eos_id,
+        max_carry=cfg.first_fit_bins or rows)
     if cfg.prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
     return iter(ds)
