@@ -3,6 +3,11 @@
   python tools/bench_data.py                       # built-in corpus, bpe:4096, seq 1024, batch 8
   python tools/bench_data.py --data_dir=/data/owt_gpt2 --tokenizer=tiktoken:gpt2 \\
       --stream_source='/data/owt/*.parquet'
+  python tools/bench_data.py --threads 1 --grain   # + grain's own pieces against ours
+
+``--grain`` times each hand-written part against the grain piece that could replace it, in
+this process, alternating, so a busy machine slows both alike (the WORKSPACE.md "Data"
+decisions cite these figures).
 
 Counts every token of every batch row (inputs), after a warm-up batch. Also prints tokens
 per CPU-second of this process (worker processes excluded) and the load average: on a shared
@@ -16,10 +21,19 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
+
+import grain
+import numpy as np
 
 from ode_lm import cli
-from ode_lm.data import DataConfig, ensure_prepared, make_train_iterator
+from ode_lm.data import DataConfig, ensure_prepared, make_train_iterator, pipeline
+from ode_lm.data import packing as packing_lib
+from ode_lm.data import sources as sources_lib
 from ode_lm.data.corpus import builtin_documents
+from ode_lm.data.shuffle import feistel_permute
+from ode_lm.data.streaming import DocReader, HostFiles
 
 
 def measure(cfg: DataConfig, seconds: float, min_batches: int = 5) -> tuple[float, float, int]:
@@ -52,6 +66,187 @@ def builtin_jsonl(n_files: int) -> str:
     return d
 
 
+def _best(f: Callable[[], Any], reps: int = 5) -> float:
+    """Fastest of ``reps`` calls, in seconds (the least disturbed by other processes)."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+class _GrainRecords:
+    """``grain.sources.ArrayRecordDataSource`` with the interface of ``pipeline.ShardRecords``."""
+
+    def __init__(self, records: pipeline.ShardRecords) -> None:
+        counts = np.diff(np.r_[0, records.ends])
+        self._src = grain.sources.ArrayRecordDataSource(
+            [f"{p}[0:{c}]" for p, c in zip(records.paths, counts, strict=True)])
+        self._dtype = records.dtype
+
+    def __len__(self) -> int:
+        return len(self._src)
+
+    def __getitems__(self, idx: np.ndarray) -> list[np.ndarray]:
+        return [np.frombuffer(r, self._dtype) for r in self._src.__getitems__(idx.tolist())]
+
+
+class _MemoryBlocks:
+    """Documents in memory as a ``packing.DocumentBlocks`` (repeating): packing alone."""
+
+    block_size = 1024
+
+    def __init__(self, docs: list[np.ndarray]) -> None:
+        self.docs, self.n = docs, len(docs) // self.block_size
+
+    def read_block(self, b: int) -> list[np.ndarray]:
+        b %= self.n
+        return self.docs[b * self.block_size:(b + 1) * self.block_size]
+
+    def release(self, low_block: int) -> None: ...
+
+    def get_state(self, min_doc: int) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
+
+    def epoch(self, doc: int, min_doc: int) -> int:
+        return 0
+
+    def close(self) -> None: ...
+
+
+def _tokens_per_s(it: Any, seconds: float, count: Callable[[Any], int]) -> float:
+    next(it)
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        n += count(next(it))
+    return n / (time.perf_counter() - start)
+
+
+def compare_grain(base: DataConfig, stream_source: str, seconds: float) -> None:
+    """Ours vs grain's piece, part by part (the figures behind WORKSPACE.md's decisions)."""
+    from grain.experimental import index_shuffle
+
+    _, records = pipeline.open_split(base, "train")
+    n = len(records)
+    j = np.arange(1024)
+    ours = _best(lambda: feistel_permute(j, n, 5))
+    theirs = _best(lambda: [index_shuffle(int(i), max_index=n - 1, seed=5, rounds=4) for i in j])
+    print(f"  permutation, 1024 of {n}: feistel_permute {1024 / ours / 1e6:.2f} M idx/s, "
+          f"index_shuffle {1024 / theirs / 1e6:.2f} M idx/s")
+    idx = feistel_permute(j, n, 3)
+    grain_records = _GrainRecords(records)
+    tok = sum(len(d) for d in records.__getitems__(idx))
+    ours = _best(lambda: records.__getitems__(idx))
+    theirs = _best(lambda: grain_records.__getitems__(idx))
+    print(f"  read 1024 shuffled docs: ShardRecords {tok / ours / 1e6:.1f} M tok/s, "
+          f"ArrayRecordDataSource {tok / theirs / 1e6:.1f} M tok/s")
+    open_split = pipeline.open_split
+    for packing in ("concat", "first_fit"):
+        rates: dict[str, float] = {}
+        for name in ("ShardRecords", "ArrayRecordDataSource") * 2:
+            if name == "ShardRecords":
+                pipeline.open_split = open_split
+            else:
+                pipeline.open_split = lambda c, s: (open_split(c, s)[0], grain_records)
+            try:
+                r = measure(dataclasses.replace(base, packing=packing), seconds / 2)[0]
+            finally:
+                pipeline.open_split = open_split
+            rates[name] = max(rates.get(name, 0.0), r)
+        print(f"  prepared {packing}, whole pipeline: " + ", ".join(
+            f"{k} {v / 1e6:.2f} M tok/s" for k, v in rates.items()))
+    manifest = pipeline.prep.load_manifest(base.data_dir)
+    eos, rows, width = manifest["eos_id"], base.global_batch_size, base.seq_len + 1
+    docs = records.__getitems__(pipeline.HostOrder(n, 0, 0, 1, None).lookup(np.arange(2 * n)))
+    docs = [d.astype(np.int32) for d in docs]
+    for packing in ("concat", "first_fit"):
+        it = packing_lib.Packer(_MemoryBlocks(docs), rows=rows, width=width, packing=packing,
+                                eos_id=eos, max_carry=rows)
+        rate = _tokens_per_s(it, seconds / 2, lambda b: b["inputs"].size)
+        print(f"  packing alone (docs in memory), Packer {packing}: {rate / 1e6:.2f} M tok/s")
+    pieces = [d[i:i + width] for d in docs for i in range(0, len(d), width)]  # grain bins: <= width
+    src = grain.MapDataset.source(pieces).repeat().map(lambda d: {"tokens": d}).to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+    length = {"tokens": width}
+    for name, ds in (
+            ("ConcatThenSplit", grain.experimental.ConcatThenSplitIterDataset(
+                src, length_struct=length)),
+            ("FirstFitPack", grain.experimental.FirstFitPackIterDataset(
+                src, length_struct=length, num_packing_bins=rows, shuffle_bins=False))):
+        def count(b: dict[str, np.ndarray]) -> int:  # + our batch rule, for the same output
+            packing_lib.to_batch(b["tokens"], b["tokens_segment_ids"], b["tokens_positions"], eos)
+            return rows * (width - 1)
+        rate = _tokens_per_s(iter(ds.batch(rows, drop_remainder=True)), seconds / 2, count)
+        print(f"  packing alone, grain {name}: {rate / 1e6:.2f} M tok/s")
+    _compare_streaming(dataclasses.replace(base, streaming=True, source=stream_source))
+
+
+def _compare_streaming(cfg: DataConfig) -> None:
+    paths = sources_lib.list_files(cfg.source)
+    files = HostFiles(paths, 0, 0, 1, 1)
+    order = [files[f] for f in range(files.per_epoch)]
+
+    def ours() -> list[str]:
+        reader, out = DocReader(files, cfg, DocReader.initial()), []
+        while (doc := reader.next()) is not None:
+            out.append(doc[0])
+        return out
+
+    def theirs() -> list[str]:
+        return list(grain.experimental.InterleaveIterDataset(
+            grain.MapDataset.source(order).map(_FileDocs), cycle_length=cfg.interleave_files))
+
+    a, b = ours(), theirs()
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    t_ours, t_theirs = _best(ours, 2), _best(theirs, 2)
+    print(f"  interleave {len(order)} files ({cfg.interleave_files} open): DocReader "
+          f"{len(a) / t_ours / 1e3:.0f} k docs/s, InterleaveIterDataset "
+          f"{len(b) / t_theirs / 1e3:.0f} k docs/s; same documents {sorted(a) == sorted(b)}, "
+          f"order first differs at document {first}")
+    w = cfg.shuffle_window
+    window = a[:w]
+    ours_s = _best(lambda: [window[int(i)] for i in feistel_permute(np.arange(w), w, 7)])
+    theirs_s = _best(lambda: list(grain.experimental.WindowShuffleIterDataset(
+        grain.MapDataset.source(window).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)), window_size=w, seed=7)))
+    print(f"  window shuffle of {w}: feistel_permute {w / ours_s / 1e6:.2f} M docs/s, "
+          f"WindowShuffleIterDataset {w / theirs_s / 1e6:.3f} M docs/s")
+
+
+class _FileDocsIterator(grain.DatasetIterator):
+    """The documents of one file, for ``InterleaveIterDataset`` (state: documents read)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._path, self._n, self._it = path, 0, None
+
+    def __next__(self) -> str:
+        if self._it is None:
+            self._it = sources_lib.iter_source_file(self._path, sources_lib.SkippedFiles(),
+                                                    skip=self._n)
+        doc = next(self._it)
+        self._n += 1
+        return doc[0]
+
+    def get_state(self) -> dict[str, int]:
+        return {"read": self._n}
+
+    def set_state(self, state: dict[str, int]) -> None:
+        self._n, self._it = state["read"], None
+
+
+class _FileDocs(grain.IterDataset):
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self._path = path
+
+    def __iter__(self) -> _FileDocsIterator:
+        return _FileDocsIterator(self._path)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data_dir", default=None, help="prepared dir (default: built-in corpus)")
@@ -64,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream_source", default=None, help="files (default: built-in as jsonl)")
     ap.add_argument("--stream_tokenizer", default=None, help="default: --tokenizer")
     ap.add_argument("--skip_streaming", action="store_true")
+    ap.add_argument("--grain", action="store_true", help="also time grain's pieces against ours")
     args = ap.parse_args(argv)
     base = DataConfig(tokenizer=args.tokenizer, seq_len=args.seq_len,
                       global_batch_size=args.batch, num_threads=args.threads, prefetch=2,
@@ -79,9 +275,12 @@ def main(argv: list[str] | None = None) -> None:
         rate, per_cpu, n = measure(dataclasses.replace(base, packing=packing), args.seconds)
         print(f"  prepared  {packing:9s}: {rate / 1e6:6.2f} M tokens/s "
               f"({per_cpu / 1e6:.2f} M per CPU-second, {n} batches)")
+    src = args.stream_source or builtin_jsonl(8)
+    if args.grain:
+        print("grain's pieces against ours (same process, alternating):")
+        compare_grain(base, src, args.seconds)
     if args.skip_streaming:
         return
-    src = args.stream_source or builtin_jsonl(8)
     stream = dataclasses.replace(base, streaming=True, source=src,
                                  tokenizer=args.stream_tokenizer or args.tokenizer)
     for packing in ("concat",):
