@@ -36,7 +36,9 @@ _BLOCK = 1024  # documents read per ArrayRecord call
 
 
 class ShardRecords:
-    """Random access to the documents (token arrays) of a split's ArrayRecord shards."""
+    """Random access to the documents (token arrays) of a split's ArrayRecord shards (kept over
+    ``grain.sources.ArrayRecordDataSource``: one sorted read per shard, no thread pool per call;
+    WORKSPACE.md "Data" has the figures)."""
 
     def __init__(self, paths: list[str], counts: list[int], dtype: str, threads: int = 2) -> None:
         self.paths, self.dtype, self.threads = paths, np.dtype(dtype), max(1, threads)

@@ -69,7 +69,9 @@ class HostFiles:
 
 
 class DocReader:
-    """Round-robin over ``slots`` open files; its state is a small JSON dict."""
+    """Round-robin over ``slots`` open files; its state is a small JSON dict. A finished file's
+    slot goes to the next file at the same turn (``grain.experimental.InterleaveIterDataset``
+    orders differently and is slower here: WORKSPACE.md "Data")."""
 
     def __init__(self, files: HostFiles, cfg: DataConfig, state: dict[str, Any],
                  skipped: sources_lib.SkippedFiles | None = None) -> None:
