@@ -136,6 +136,7 @@ def test_start_step_fallback_is_deterministic_and_not_a_restart(packing):
     expected = int(50 * cfg.global_batch_size * (cfg.seq_len + 1)
                    // (info["tokens"] / info["documents"]))
     assert it.get_state()["doc"] == expected > 0
+    assert set(it.get_state()) == {"doc", "offset", "carry"}, "the checkpointed keys"
     again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
     assert_batches_equal(take(it, 2), take(again, 2))
 

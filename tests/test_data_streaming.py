@@ -128,6 +128,8 @@ def test_streaming_start_step_fallback_and_bad_sources(tmp_path):
     it = make_train_iterator(cfg, process_index=0, process_count=1, start_step=60)
     state = it.get_state()
     assert state["reader"]["next_file"] > 0, "fallback starts past the first file, not at 0"
+    assert set(state) == {"doc", "offset", "carry", "window", "reader"}, "the checkpointed keys"
+    assert set(state["reader"]) == {"next_file", "turn", "slots"}
     again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=60)
     assert_batches_equal(take(it, 2), take(again, 2))
     with pytest.raises(ValueError, match="not a file source"):
