@@ -24,6 +24,7 @@ def _save_run(model_dir: pathlib.Path, config: ModelConfig) -> None:
     from ode_lm import partitioning
     from ode_lm.training import checkpoint as ckpt_lib
     from ode_lm.training import state as state_lib
+    from ode_lm.training.run_dir import RunDir
     from ode_lm.training.trainer import default_model_fn
 
     mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.devices("cpu")[0]])
@@ -35,7 +36,7 @@ def _save_run(model_dir: pathlib.Path, config: ModelConfig) -> None:
     ckpt.save(3, state, force=True)
     ckpt.wait()
     ckpt.close()
-    ckpt_lib.save_model_config(str(model_dir), config)
+    RunDir(str(model_dir)).write_model_config(config)
 
 
 def _assert_png(path: pathlib.Path, min_bytes: int = 10_000) -> None:
