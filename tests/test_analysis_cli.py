@@ -107,7 +107,7 @@ def test_cli_on_a_baseline_checkpoint(runs, tmp_path, capsys):
     [
         (["lyapunov", "--model_dir={ode}", "--tokens=1,2,300"], "[0, 260)"),
         (["lyapunov", "--model_dir={ode}", "--tokens=1,x"], "--tokens='1,x'"),
-        (["lyapunov", "--model_dir={ode}"], "no config.gin naming the data"),
+        (["lyapunov", "--model_dir={ode}"], "no data_config.json naming the data"),
         (["lyapunov", "--model_dir={ode}", "--tokens=1,2", "--text=hi"], "exactly one of"),
         (["lyapunov", "--model_dir={ode}", "--text_file=/nonexistent.txt", "--tokenizer=bytes"],
          "--text_file=/nonexistent.txt"),
