@@ -31,6 +31,7 @@ import os
 from typing import Any
 
 from ode_lm import partitioning
+from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training.run_lock import LOCK_FILE
@@ -110,10 +111,8 @@ class RunDir:
             raise FileNotFoundError(f"{path} not found: is {self.path} a training run directory?")
         return ModelConfig(**_read_json(path))
 
-    def data_config(self):
+    def data_config(self) -> DataConfig | None:
         """The run's ``DataConfig``; None when the run does not record one."""
-        from ode_lm.data.config import DataConfig
-
         path = self.file(DATA_CONFIG)
         names = {f.name for f in dataclasses.fields(DataConfig)}
         if os.path.exists(path):
