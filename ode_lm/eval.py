@@ -4,7 +4,8 @@ Evaluates a saved run on its validation split: exact token-weighted loss and per
 at the trained number of ODE steps or any others (a depth sweep) with any solver, or with an
 adaptive solver (``--solver=adaptive --rtol=1e-3``: Bogacki–Shampine 3(2), or ``dopri5``),
 which also reports the mean number of vector-field evaluations (NFE) per batch. The data
-and model settings come from ``MODEL_DIR/config.gin``; the mesh is all local devices.
+and model settings come from ``MODEL_DIR/{data,model}_config.json``; the mesh is all local
+devices.
 """
 
 from __future__ import annotations
@@ -75,28 +76,20 @@ class EvalRun:
 
 def load_eval_run(model_dir: str, step: int | None = None) -> EvalRun:
     """Model and data settings from MODEL_DIR, parameters restored onto all local devices."""
-    import gin
-    import optax
-
     from ode_lm import partitioning
-    from ode_lm.training import checkpoint as ckpt_lib
-    from ode_lm.training import gin_setup
-    from ode_lm.training import state as state_lib
-    from ode_lm.training.trainer import default_model_fn
+    from ode_lm.training.run_dir import RunDir, load_model
 
-    gin_file = os.path.join(model_dir, "config.gin")
-    if not os.path.exists(gin_file):
-        raise FileNotFoundError(f"{gin_file} not found: is --model_dir a training run?")
-    model_config = ckpt_lib.load_model_config(model_dir)
-    gin.clear_config()
-    gin.parse_config_file(gin_file, skip_unknown=True)
-    data_config = gin_setup.GinDataConfig()
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
+    data_config = RunDir(model_dir).data_config()
+    if data_config is None:
+        raise FileNotFoundError(f"--model_dir={model_dir}: no data_config.json naming the "
+                                "run's data: is it a training run?")
     mesh = partitioning.create_mesh((1, -1, 1))
     rules = partitioning.axis_rules()
-    spec = state_lib.build_state_spec(default_model_fn(model_config), optax.identity(), mesh,
-                                      rules)
-    params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
-    return EvalRun(model_dir, model_config, data_config, mesh, rules, spec, params, step)
+    _, run = load_model(model_dir, step, mesh=mesh, rules=rules)
+    return EvalRun(model_dir, run.config, data_config, mesh, rules, run.spec, run.params,
+                   run.step)
 
 
 def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None) -> None:

@@ -17,7 +17,6 @@ and wrapped) and ``trainable`` (LoRA factors, plus embeddings if asked). It leav
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -27,9 +26,9 @@ import jax
 from flax import nnx
 
 from ode_lm.config_types import check_types, register_with_gin
-from ode_lm.export.source import FINETUNE_FILE, run_data_dir
 from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
 from ode_lm.models.config import ModelConfig
+from ode_lm.training.run_dir import RunDir
 
 METHODS = ("full", "lora")
 MODES = ("continuous", "materialised")
@@ -69,19 +68,16 @@ class FinetuneConfig:
 
 def check_pretrained(cfg: FinetuneConfig) -> tuple[ModelConfig, int]:
     """(pretrained ModelConfig, checkpoint step); one clear error for a dir without a run."""
-    import orbax.checkpoint as ocp
-
-    from ode_lm.training.checkpoint import CHECKPOINT_SUBDIR, load_model_config
-
     d = cfg.pretrained_dir
     if not os.path.isdir(d):
         raise FileNotFoundError(f"PRETRAINED_DIR={d}: no such directory")
-    ckpt_dir = os.path.join(d, CHECKPOINT_SUBDIR)
-    steps = sorted(ocp.utils.checkpoint_steps(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    run = RunDir(d)
+    ckpt_dir = run.checkpoints
+    steps = run.checkpoint_steps()
     if not steps:
         raise FileNotFoundError(f"PRETRAINED_DIR={d}: no checkpoint under {ckpt_dir}; "
                                 "pretrain first (python -m ode_lm.train ...)")
-    config = load_model_config(d)
+    config = run.model_config()
     if config.architecture != "ode":
         raise ValueError(f"PRETRAINED_DIR={d}: a {config.architecture} model; adaptive-depth "
                          "fine-tuning needs an ODE (DiffEqFormer) run")
@@ -97,7 +93,7 @@ def check_tokenizer_match(pretrained_dir: str, data_config: Any, model: ModelCon
     from ode_lm import data as data_lib
 
     ft = data_lib.ensure_prepared(data_config)
-    pre_dir = run_data_dir(pretrained_dir)
+    pre_dir = RunDir(pretrained_dir).data_dir()
     if pre_dir and os.path.exists(os.path.join(pre_dir, "manifest.json")):
         pre = data_lib.load_manifest(pre_dir)
         a, b = pre["tokenizer"], ft["tokenizer"]
@@ -135,9 +131,9 @@ def make_init_params_fn(cfg: FinetuneConfig, model_config: ModelConfig, step: in
 
     def init(abstract_params: Any) -> Any:
         from ode_lm.models.materialize import materialize
-        from ode_lm.training.trainer import restore_model
+        from ode_lm.training.run_dir import load_model
 
-        model, _, _ = restore_model(cfg.pretrained_dir, step)
+        model, _ = load_model(cfg.pretrained_dir, step)
         if cfg.mode == "materialised":
             model = materialize(model, cfg.num_steps, "euler")
         if cfg.method == "lora":
@@ -148,15 +144,13 @@ def make_init_params_fn(cfg: FinetuneConfig, model_config: ModelConfig, step: in
     return init
 
 
-def write_finetune_info(model_dir: str, cfg: FinetuneConfig, step: int) -> None:
-    os.makedirs(model_dir, exist_ok=True)
-    info = {"pretrained_dir": os.path.abspath(cfg.pretrained_dir), "pretrained_step": step,
+def finetune_info(cfg: FinetuneConfig, step: int) -> dict[str, Any]:
+    """``finetune.json``: what ``run_dir.load_model`` needs to rebuild (and merge) the model."""
+    return {"pretrained_dir": os.path.abspath(cfg.pretrained_dir), "pretrained_step": step,
             "num_steps": cfg.num_steps, "method": cfg.method, "mode": cfg.mode,
             "train_embeddings": cfg.train_embeddings,
             "lora": {"rank": cfg.lora_rank, "alpha": cfg.lora_alpha,
                      "targets": list(cfg.lora_targets)}}
-    with open(os.path.join(model_dir, FINETUNE_FILE), "w") as f:
-        json.dump(info, f, indent=2)
 
 
 # ------------------------------------------------------------------------------ entry
@@ -184,7 +178,7 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     print_fn(f"fine-tuning {cfg.pretrained_dir} (step {step}) at M={cfg.num_steps} "
              f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
              f"({100.0 * n_train / n_total:.2f}%)")
-    write_finetune_info(model_dir, cfg, step)
+    RunDir(model_dir).write_finetune(finetune_info(cfg, step))
     train_config = gin_setup.GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
     step_config = gin_setup.GinStepConfig()
     if cfg.mode == "continuous":
@@ -199,8 +193,7 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     )
     result = trainer.run()
     info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
-    with open(os.path.join(model_dir, "finetune_result.json"), "w") as f:
-        json.dump({**info, "step": result.step, "eval": result.eval}, f, indent=2)
+    RunDir(model_dir).write_finetune_result({**info, "step": result.step, "eval": result.eval})
     return result, info
 
 

@@ -32,6 +32,7 @@ from ode_lm.config_types import check_types
 from ode_lm.models.common import mesh_active
 from ode_lm.models.config import ModelConfig
 from ode_lm.models.vector_field import dense_specs
+from ode_lm.partitioning import path_name
 
 LORA_COLLECTION = "lora"
 LORA_RANK_AXIS = "lora_rank"  # logical axis of the rank r (replicated: r is small)
@@ -188,8 +189,6 @@ def lora_trainable(train_embeddings: bool = False):
 
 def count_params(params: Any, trainable=None) -> tuple[int, int]:
     """(trainable, total) parameter counts of a params pure dict."""
-    from ode_lm.training.optim import path_name
-
     total = train = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         n = int(leaf.size)

@@ -40,9 +40,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def load_tokenizer(model_dir: str, data_dir: str | None):
     from ode_lm.data import load_manifest
     from ode_lm.data.tokenizers import get_tokenizer
-    from ode_lm.export.source import run_data_dir
+    from ode_lm.training.run_dir import RunDir
 
-    data_dir = data_dir or run_data_dir(model_dir)
+    data_dir = data_dir or RunDir(model_dir).data_dir()
     if not data_dir or not os.path.exists(os.path.join(data_dir, "manifest.json")):
         raise FileNotFoundError(f"no prepared data (manifest.json) for {model_dir}; "
                                 "pass --data_dir=DIR to name the tokenizer's data")
@@ -51,11 +51,12 @@ def load_tokenizer(model_dir: str, data_dir: str | None):
 
 
 def run(args: argparse.Namespace) -> list[str]:
-    from ode_lm.export.source import load_run_model
     from ode_lm.generation import check_num_steps, generate
+    from ode_lm.training.run_dir import load_model
 
     check_num_steps(args.num_steps)
-    model, config, step = load_run_model(args.model_dir, args.step)
+    model, run = load_model(args.model_dir, args.step)
+    config, step = run.config, run.step
     tok = load_tokenizer(args.model_dir, args.data_dir)
     prompts = [[int(i) for i in tok.encode(p)] or [tok.eos_id] for p in args.prompt]
     kw = dict(max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, solver=args.solver,

@@ -10,7 +10,8 @@ from jax.sharding import NamedSharding
 
 from ode_lm import partitioning
 from ode_lm.models import ModelConfig, build_model
-from ode_lm.training.checkpoint import CheckpointConfig, Checkpointer, save_model_config
+from ode_lm.training.checkpoint import CheckpointConfig, Checkpointer
+from ode_lm.training.run_dir import RunDir
 
 
 def tiny_config(flavour: str, **kw) -> ModelConfig:
@@ -35,7 +36,7 @@ def make_run(model_dir: str, config: ModelConfig, step: int = 5, seed: int = 0):
     ckpt = Checkpointer(model_dir, CheckpointConfig(async_save=False))
     ckpt.save(step, {"step": jnp.int32(step), "params": params, "opt_state": opt}, force=True)
     ckpt.close()
-    save_model_config(model_dir, config)
+    RunDir(model_dir).write_model_config(config)
     sharded = [x for x in jax.tree.leaves(params)
                if isinstance(x.sharding, NamedSharding) and len(x.sharding.device_set) > 1]
     assert sharded, "the run should be saved from a multi-device mesh"

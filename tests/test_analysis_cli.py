@@ -24,6 +24,7 @@ def _save_run(model_dir: pathlib.Path, config: ModelConfig) -> None:
     from ode_lm import partitioning
     from ode_lm.training import checkpoint as ckpt_lib
     from ode_lm.training import state as state_lib
+    from ode_lm.training.run_dir import RunDir
     from ode_lm.training.trainer import default_model_fn
 
     mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.devices("cpu")[0]])
@@ -35,7 +36,7 @@ def _save_run(model_dir: pathlib.Path, config: ModelConfig) -> None:
     ckpt.save(3, state, force=True)
     ckpt.wait()
     ckpt.close()
-    ckpt_lib.save_model_config(str(model_dir), config)
+    RunDir(str(model_dir)).write_model_config(config)
 
 
 def _assert_png(path: pathlib.Path, min_bytes: int = 10_000) -> None:
@@ -106,7 +107,7 @@ def test_cli_on_a_baseline_checkpoint(runs, tmp_path, capsys):
     [
         (["lyapunov", "--model_dir={ode}", "--tokens=1,2,300"], "[0, 260)"),
         (["lyapunov", "--model_dir={ode}", "--tokens=1,x"], "--tokens='1,x'"),
-        (["lyapunov", "--model_dir={ode}"], "no config.gin naming the data"),
+        (["lyapunov", "--model_dir={ode}"], "no data_config.json naming the data"),
         (["lyapunov", "--model_dir={ode}", "--tokens=1,2", "--text=hi"], "exactly one of"),
         (["lyapunov", "--model_dir={ode}", "--text_file=/nonexistent.txt", "--tokenizer=bytes"],
          "--text_file=/nonexistent.txt"),

@@ -1,5 +1,5 @@
 """Checkpoints: topology change 8 -> 4 -> 1 devices, half-written saves ignored, shape
-mismatch errors, params-only restore (``restore_model``) from a run saved on 8 devices."""
+mismatch errors, params-only restore (``run_dir.load_model``) from a run saved on 8 devices."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from ode_lm.data import DataConfig
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training.optim import OptimizerConfig
-from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer, restore_model
+from ode_lm.training.run_dir import load_model
+from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer
 
 MODEL = ModelConfig(vocab_size=384, d_model=32, num_heads=2, num_steps=2, max_seq_len=32,
                     time_embed_dim=4, sinusoidal_dim=4)
@@ -78,14 +79,14 @@ def test_topology_change_8_to_4_to_1(run8, data_config, tmp_path):
 
 def test_restore_model_on_one_cpu_from_8_device_run(run8):
     model_dir, saved = run8
-    model, config, step = restore_model(str(model_dir), step=3)
-    assert config == MODEL and step == 3
+    model, run = load_model(str(model_dir), step=3)
+    assert run.config == MODEL and run.step == 3 and run.finetune is None
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     assert ckpt_lib.tree_equal(host(params), saved["params"])
     tokens = np.zeros((1, 8), np.int32)
     assert model(tokens).shape == (1, 8, MODEL.vocab_size)
     with pytest.raises(FileNotFoundError, match="checkpoint step 99"):
-        restore_model(str(model_dir), step=99)
+        load_model(str(model_dir), step=99)
 
 
 def test_half_written_save_is_ignored(run8, tmp_path, data_config):
@@ -98,8 +99,7 @@ def test_half_written_save_is_ignored(run8, tmp_path, data_config):
     (partial / "state" / "garbage").write_bytes(b"\x00" * 10)
     checkpointer = ckpt_lib.Checkpointer(str(model_dir))
     assert checkpointer.latest_step() == latest
-    _, _, step = restore_model(str(model_dir))
-    assert step == latest
+    assert load_model(str(model_dir))[1].step == latest
 
 
 def test_shape_mismatch_names_first_parameter_and_both_shapes(run8, data_config):

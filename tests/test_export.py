@@ -12,7 +12,7 @@ from export_helpers import logits, make_run, tiny_config
 
 from ode_lm.export import export, load_raw
 from ode_lm.export.safetensors_io import INDEX_NAME, load_sharded
-from ode_lm.training.trainer import restore_model
+from ode_lm.training.run_dir import RunDir, load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +40,7 @@ def test_raw_round_trip_is_lossless_and_strips_optimizer(tmp_path):
     names = set(load_sharded(out))
     assert "block/layers/qkv/w0" in names and not any("opt" in n or "mu" in n for n in names)
     model, config = load_raw(out)
-    ref, _, _ = restore_model(run)
+    ref, _ = load_model(run)
     np.testing.assert_array_equal(logits(model, _tokens()), logits(ref, _tokens()))
     np.testing.assert_array_equal(logits(model, _tokens(), 7), logits(ref, _tokens(), 7))
     assert config == ref.config
@@ -81,7 +81,7 @@ def test_hf_round_trip_through_transformers(tmp_path, flavour):
     if flavour == "llama":
         assert os.path.exists(os.path.join(out, INDEX_NAME))
     # Independent of --verify: the 4-step ODE's logits, compared here directly.
-    ref, _, _ = restore_model(run)
+    ref, _ = load_model(run)
     with torch.no_grad():
         got = hf(input_ids=torch.as_tensor(_tokens())).logits.numpy()
     np.testing.assert_allclose(got, logits(ref, _tokens(), 4), atol=1e-4)
@@ -147,9 +147,7 @@ def test_missing_run_and_missing_checkpoint(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     run = tmp_path / "empty"
     run.mkdir()
-    from ode_lm.training.checkpoint import save_model_config
-
-    save_model_config(str(run), tiny_config("gpt2"))
+    RunDir(str(run)).write_model_config(tiny_config("gpt2"))
     assert _cli([f"--model_dir={run}", "--format=raw", f"--out={tmp_path / 'y'}"]) == 1
     assert "no complete checkpoint" in capsys.readouterr().err
 

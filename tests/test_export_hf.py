@@ -12,7 +12,7 @@ import pytest
 from export_helpers import logits, make_run, tiny_config
 
 from ode_lm.export import export
-from ode_lm.training.trainer import restore_model
+from ode_lm.training.run_dir import load_model
 
 pytest.importorskip("torch", reason="pip install -e '.[hf]' for the hf round trips")
 pytest.importorskip("transformers", reason="pip install -e '.[hf]' for the hf round trips")
@@ -62,7 +62,7 @@ def test_sequential_baseline_exports_to_the_stock_class(tmp_path, flavour, cls, 
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert type(hf).__name__ == cls and hf.config.num_hidden_layers == 3
     assert not info["missing_keys"] and not info["unexpected_keys"]
-    ref, _, _ = restore_model(run)
+    ref, _ = load_model(run)
     with torch.no_grad():
         got = hf(input_ids=torch.as_tensor(_tokens())).logits.numpy()
     np.testing.assert_allclose(got, logits(ref, _tokens()), atol=1e-4, rtol=0)

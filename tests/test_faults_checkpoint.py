@@ -33,7 +33,6 @@ from ode_lm.training.trainer import (
     TrainConfig,
     Trainer,
     default_train_data,
-    restore_model,
 )
 
 MODEL = ModelConfig(vocab_size=384, d_model=32, num_heads=2, num_steps=2, max_seq_len=32,
@@ -85,11 +84,13 @@ def metrics(model_dir: Path) -> dict[int, dict]:
 
 
 def params_at(model_dir: Path, step: int | None = None):
-    """(params, step) through ``restore_model`` (restore_params: eval, sample, export)."""
+    """(params, step) through ``run_dir.load_model`` (restore_params: eval, sample, export)."""
     from flax import nnx
 
-    model, _, step = restore_model(str(model_dir), step)
-    return nnx.to_pure_dict(nnx.state(model, nnx.Param)), step
+    from ode_lm.training.run_dir import load_model
+
+    model, run = load_model(str(model_dir), step)
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param)), run.step
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from export_helpers import make_run, tiny_config
 
 from ode_lm import finetune as ft
 from ode_lm.data import DataConfig, ensure_prepared
+from ode_lm.training.run_dir import RunDir, load_model
 
 TEXT = ("The solver integrates the vector field over depth. " * 3 +
         "Each step evaluates attention and the MLP with weights generated at time t. ")
@@ -80,8 +81,8 @@ MeshConfig.ici_parallelism = (-1, 1, 1)
 
 
 def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corpus, capsys):
+    from ode_lm.eval import load_eval_run
     from ode_lm.export import export
-    from ode_lm.training import checkpoint as ckpt_lib
 
     out = str(tmp_path / "lora2")
     assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out)}"]) == 0
@@ -89,19 +90,19 @@ def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corp
     assert "trainable of" in log and "%)" in log and "eval/perplexity" in log
     info = json.load(open(os.path.join(out, "finetune.json")))
     assert info["method"] == "lora" and info["mode"] == "materialised" and info["num_steps"] == 2
-    config = ckpt_lib.load_model_config(out)
+    config = RunDir(out).model_config()
     assert config.architecture == "parallel" and config.num_layers == 2
+    assert RunDir(out).data_config().data_dir == os.path.join(os.path.dirname(pretrained), "data")
     # resume: same command with more steps continues from the saved step
     assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out, TRAIN_STEPS=4)}"]) == 0
     assert "resumed from step 3" in capsys.readouterr().out
     # frozen base + trained LoRA factors, merged for export
-    from ode_lm.export.source import load_run_model
     from ode_lm.models.materialize import materialize
-    from ode_lm.training.trainer import restore_model
 
-    merged, _, step = load_run_model(out)
-    assert step == 4 and type(merged).__name__ == "ParallelLM"
-    base = materialize(restore_model(pretrained)[0], 2)
+    merged, run = load_model(out)
+    assert run.step == 4 and type(merged).__name__ == "ParallelLM"
+    assert run.finetune["method"] == "lora"
+    base = materialize(load_model(pretrained)[0], 2)
     w_new = np.asarray(merged.blocks.weights["qkv_kernel"][...])
     w_old = np.asarray(base.blocks.weights["qkv_kernel"][...])
     assert np.abs(w_new - w_old).max() > 0  # the LoRA update is merged in
@@ -109,17 +110,19 @@ def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corp
                                   np.asarray(base.blocks.weights["out_kernel"][...]))  # no LoRA
     res = export(out, "raw", str(tmp_path / "raw"), verify_logits=True)
     assert res.max_abs_diff == 0.0
+    # the merged weights evaluate like the wrapped model the trainer evaluated at its end:
+    # float32 losses ~5 (ulp 4.8e-7), W + (α/r)·A·B folded once instead of inside the step
+    final = RunDir(out).finetune_result()["eval"]["eval/loss"]
+    assert abs(load_eval_run(out).evaluate().loss - final) < 1e-5
 
 
 def test_full_continuous_finetune_at_new_depth(tmp_path, pretrained, corpus, capsys):
-    from ode_lm.training import checkpoint as ckpt_lib
-
     out = str(tmp_path / "full4")
     gin = _gin(tmp_path, pretrained, corpus, out, M=4, METHOD="full", MODE="continuous",
                TRAIN_STEPS=2)
     assert ft.main([f"--gin_file={gin}"]) == 0
     assert "(100.00%)" in capsys.readouterr().out
-    config = ckpt_lib.load_model_config(out)
+    config = RunDir(out).model_config()
     assert config.architecture == "ode" and config.num_steps == 4
 
 
@@ -137,9 +140,7 @@ def test_bad_inputs(tmp_path, pretrained, corpus, capsys):
     assert "LoRA target(s) ['attention'] match no linear layer" in err(TARGETS="('attention',)")
     empty = tmp_path / "empty_run"
     empty.mkdir()
-    from ode_lm.training.checkpoint import save_model_config
-
-    save_model_config(str(empty), tiny_config("gpt2", vocab_size=384))
+    RunDir(str(empty)).write_model_config(tiny_config("gpt2", vocab_size=384))
     gin = _gin(tmp_path, str(empty), corpus, str(tmp_path / "x"))
     assert ft.main([f"--gin_file={gin}"]) == 1
     assert "no checkpoint under" in capsys.readouterr().err

@@ -192,7 +192,7 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     from test_multihost import free_port, result_line
 
     from ode_lm.training.checkpoint import tree_equal
-    from ode_lm.training.trainer import restore_model
+    from ode_lm.training.run_dir import load_model
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -234,8 +234,8 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     assert result_line(relaunch[0][1]) == result_line(ref_out), ref_out[-2000:]
     assert losses(killed) == losses(reference) and sorted(losses(killed)) == list(
         range(1, STEPS + 1))
-    params = [restore_model(str(d)) for d in (reference, killed)]
-    assert params[0][2] == params[1][2] == STEPS
+    params = [load_model(str(d)) for d in (reference, killed)]
+    assert params[0][1].step == params[1][1].step == STEPS
     from flax import nnx
 
     assert tree_equal(nnx.state(params[0][0], nnx.Param), nnx.state(params[1][0], nnx.Param))

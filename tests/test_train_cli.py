@@ -116,6 +116,9 @@ def test_reference_run_writes_config_checkpoints_and_tensorboard(reference):
     assert "D_MODEL = 32" in config and "ModelConfig.d_model = %D_MODEL" in config
     assert "TRAIN_STEPS = 8" in config and "TrainConfig.log_every = 1" in config
     assert json.loads((reference / "model_config.json").read_text())["d_model"] == 32
+    data = json.loads((reference / "data_config.json").read_text())
+    assert data["data_dir"] == str(reference.parent / "data") and data["tokenizer"] == "bytes"
+    assert (data["seq_len"], data["global_batch_size"], data["eval_max_batches"]) == (32, 8, 2)
     acc = EventAccumulator(str(reference))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -130,6 +133,22 @@ def test_reference_run_writes_config_checkpoints_and_tensorboard(reference):
     assert all(e.value > 0 for e in acc.Scalars("train/kinetic_energy"))
     assert acc.Scalars("train/tokens_seen")[-1].value == 2 * K * 8 * 32
     assert "config" in " ".join(acc.Tags()["tensors"])  # operative config as text
+
+
+def test_old_run_without_data_config_loads_through_its_config_gin(reference, tmp_path):
+    """A run from before data_config.json: the one fallback reads the operative config.gin
+    and gives the same DataConfig, so eval sees the same data."""
+    import shutil
+
+    from ode_lm.eval import load_eval_run
+    from ode_lm.training.run_dir import RunDir
+
+    old = tmp_path / "old"
+    shutil.copytree(reference, old)
+    (old / "data_config.json").unlink()
+    assert RunDir(str(old)).data_config() == RunDir(str(reference)).data_config()
+    run = load_eval_run(str(old))
+    assert run.data_config == RunDir(str(reference)).data_config() and run.step == 2 * K
 
 
 def test_exact_resume_after_sigkill(workdir, reference):
@@ -159,11 +178,11 @@ def assert_same_params(a: Path, b: Path) -> None:
     from flax import nnx
 
     from ode_lm.training.checkpoint import tree_equal
-    from ode_lm.training.trainer import restore_model
+    from ode_lm.training.run_dir import load_model
 
-    model_a, _, step_a = restore_model(str(a))
-    model_b, _, step_b = restore_model(str(b))
-    assert step_a == step_b == 2 * K
+    model_a, run_a = load_model(str(a))
+    model_b, run_b = load_model(str(b))
+    assert run_a.step == run_b.step == 2 * K
     assert tree_equal(nnx.state(model_a, nnx.Param), nnx.state(model_b, nnx.Param))
 
 

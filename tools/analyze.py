@@ -5,8 +5,8 @@
   python tools/analyze.py trajectory --model_dir=DIR --text_file=F [--times=0,0.33,1] --out=OUT
 
 Works on checkpoints of the ODE model (any flavour) and of the discrete baselines. The
-tokenizer is the one the run's data manifest names (found through MODEL_DIR/config.gin, or
-give --data_dir / --tokenizer); --tokens=1,2,3 skips tokenization. See the README's
+tokenizer is the one the run's data manifest names (found through MODEL_DIR/data_config.json,
+or give --data_dir / --tokenizer); --tokens=1,2,3 skips tokenization. See the README's
 analysis section for what each figure means.
 """
 
@@ -65,18 +65,17 @@ def run(args: argparse.Namespace) -> list[str]:
     import numpy as np
 
     from ode_lm.analysis import commands
-    from ode_lm.training.trainer import restore_model
+    from ode_lm.training.run_dir import load_model
 
-    if not os.path.isdir(args.model_dir):
-        raise FileNotFoundError(f"--model_dir={args.model_dir}: no such directory")
-    model, config, step = restore_model(args.model_dir, args.step)
+    model, run = load_model(args.model_dir, args.step)
+    config, step = run.config, run.step
     head = [f"{args.model_dir} @ step {step}: {config.architecture} / {config.flavour}, "
             f"width {config.d_model}, {config.num_heads} heads"]
     if args.command == "spectral":
         if args.num_times < 1:
             raise ValueError(f"--num_times={args.num_times}: must be >= 1")
         times = args.times if args.times is not None else np.linspace(0, 1, args.num_times)
-        compare = restore_model(args.compare_dir)[0] if args.compare_dir else None
+        compare = load_model(args.compare_dir)[0] if args.compare_dir else None
         _, lines = commands.run_spectral(model, args.out, times=times, mlp_units=args.mlp_units,
                                          seed=args.seed, compare=compare)
         return head + lines

@@ -4,8 +4,8 @@
 
 Evaluates Euler, midpoint and RK4 at N ∈ {2, 3, 4, 6, 8, 12, 16, 24} and the adaptive
 Bogacki–Shampine solver at two tolerances (with its mean NFE per batch) on the run's
-validation split (the DataConfig of MODEL_DIR/config.gin, so ``eval_max_batches`` applies),
-plus the W(t) smoothness figure. Writes DIR/depth_report.{json,csv,png}; ``--json`` also
+validation split (the DataConfig of MODEL_DIR/data_config.json, so ``eval_max_batches``
+applies), plus the W(t) smoothness figure. Writes DIR/depth_report.{json,csv,png}; ``--json`` also
 writes the JSON to FILE. JSON: {"trained_num_steps", "ppl": {solver: {"N": ppl}},
 "adaptive": [{"rtol", "ppl", "nfe"}], "smoothness", ...} and, with --compare_dir, the same
 under "compare".

@@ -79,7 +79,7 @@ def main() -> int:
 
     from ode_lm import finetune as ft
     from ode_lm.training import gin_setup
-    from ode_lm.training.trainer import restore_model
+    from ode_lm.training.run_dir import RunDir, load_model
 
     t0 = time.time()
     pre_dir = os.path.join(ROOT, "pretrain")
@@ -94,7 +94,7 @@ def main() -> int:
         gin_setup.parse_gin(gin_setup.GinFlags(files=[PRETRAIN_GIN]))
         data_cfg = gin_setup.GinDataConfig()
     print(f"held-out documents: {write_heldout(data_cfg.holdout_fraction, data_cfg.holdout_seed)}")
-    pretrained, _, _ = restore_model(pre_dir)
+    pretrained, _ = load_model(pre_dir)
     rows = []
     for m in [int(x) for x in args.depths.split(",")]:
         before = None
@@ -109,9 +109,8 @@ def main() -> int:
 
                 data_lib.ensure_prepared(ft_data)
                 before = zero_shot_perplexity(pretrained, ft_data, m)
-            if os.path.exists(os.path.join(out, "finetune_result.json")):
-                with open(os.path.join(out, "finetune_result.json")) as f:
-                    saved = json.load(f)
+            saved = RunDir(out).finetune_result()
+            if saved is not None:
                 after, frac = saved["eval"]["eval/perplexity"], saved["fraction"]
             else:
                 result, info = ft.run_finetune()

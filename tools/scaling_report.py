@@ -13,7 +13,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import glob
-import json
 import math
 import os
 import sys
@@ -23,7 +22,6 @@ import numpy as np
 
 from ode_lm import cli
 
-MODEL_CONFIG_FILE = "model_config.json"
 LOSS_TAG = "eval/loss"
 TOKENS_TAG = "train/tokens_seen"
 
@@ -81,25 +79,26 @@ def analytic_flops_per_token(config) -> float:
 
 def find_runs(paths: Sequence[str]) -> list[str]:
     """Run dirs (holding model_config.json) given directly or up to two levels below."""
+    from ode_lm.training.run_dir import MODEL_CONFIG
+
     runs = []
     for p in paths:
         if not os.path.isdir(p):
             raise FileNotFoundError(f"run path {p!r} is not a directory")
         for pattern in ("", "*", os.path.join("*", "*")):
-            runs += glob.glob(os.path.join(p, pattern, MODEL_CONFIG_FILE))
+            runs += glob.glob(os.path.join(p, pattern, MODEL_CONFIG))
     return sorted({os.path.dirname(r) for r in runs})
 
 
 def collect(run_dirs: Sequence[str], loss_tag: str = LOSS_TAG, tokens_tag: str = TOKENS_TAG,
             flops_fn: Callable | None = None) -> list[RunPoint]:
     """One point per run: its last eval loss and its training FLOPs at that step."""
-    from ode_lm.models.config import ModelConfig
+    from ode_lm.training.run_dir import RunDir
 
     flops_fn = flops_fn or analytic_flops_per_token
     points = []
     for run_dir in run_dirs:
-        with open(os.path.join(run_dir, MODEL_CONFIG_FILE)) as f:
-            config = ModelConfig(**json.load(f))
+        config = RunDir(run_dir).model_config()
         scalars = read_scalars(run_dir)
         for tag in (loss_tag, tokens_tag):
             if tag not in scalars:
@@ -204,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run_dirs = find_runs(args.runs)
         if not run_dirs:
-            raise ValueError(f"no run dirs (with {MODEL_CONFIG_FILE}) under {args.runs}")
+            raise ValueError(f"no run dirs (with model_config.json) under {args.runs}")
         points = collect(run_dirs, args.loss_tag, args.tokens_tag)
     except (ValueError, FileNotFoundError) as e:
         print(f"scaling_report.py: error: {e}", file=sys.stderr)

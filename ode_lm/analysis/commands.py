@@ -6,10 +6,8 @@ tests call them directly on a model built in the test.
 
 from __future__ import annotations
 
-import ast
 import os
 import pathlib
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,38 +19,23 @@ from ode_lm.analysis.trajectory import states_at, trajectory
 # ----------------------------------------------------------------------------- the run's inputs
 
 
-def _gin_value(text: str, name: str) -> str | None:
-    """A literal binding ``name = ...`` from an operative gin config, following one macro."""
-    m = re.search(rf"^{re.escape(name)}\s*=\s*(.+)$", text, re.MULTILINE)
-    if not m:
-        return None
-    value = m.group(1).strip()
-    if value.startswith("%"):
-        return _gin_value(text, value[1:])
-    try:
-        out = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return None
-    return out if isinstance(out, str) else None
-
-
 def resolve_tokenizer(model_dir: str, data_dir: str | None = None,
                       tokenizer: str | None = None):
-    """The run's tokenizer: --tokenizer, else the manifest of --data_dir or of the data dir
-    named in MODEL_DIR/config.gin (the trainer's operative config)."""
+    """The run's tokenizer: --tokenizer, else the manifest of --data_dir or of the run's data
+    dir, else the run's DataConfig.tokenizer (``training.run_dir``)."""
     from ode_lm.data.prepare import load_manifest
     from ode_lm.data.tokenizers import get_tokenizer
+    from ode_lm.training.run_dir import RunDir
 
-    gin_path = pathlib.Path(model_dir) / "config.gin"
-    gin_text = gin_path.read_text() if gin_path.exists() else ""
-    if data_dir is None:
-        data_dir = _gin_value(gin_text, "DataConfig.data_dir")
+    run_data = RunDir(model_dir).data_config() if tokenizer is None or data_dir is None else None
+    if data_dir is None and run_data is not None:
+        data_dir = run_data.data_dir
     if tokenizer is None and data_dir is not None:
         tokenizer = load_manifest(data_dir)["tokenizer"]["spec"]
+    if tokenizer is None and run_data is not None:
+        tokenizer = run_data.tokenizer
     if tokenizer is None:
-        tokenizer = _gin_value(gin_text, "DataConfig.tokenizer")
-    if tokenizer is None:
-        raise ValueError(f"--model_dir={model_dir}: no config.gin naming the data; pass "
+        raise ValueError(f"--model_dir={model_dir}: no data_config.json naming the data; pass "
                          "--data_dir=DIR (a prepared data dir) or --tokenizer=SPEC or --tokens")
     return get_tokenizer(tokenizer, data_dir)
 

@@ -24,7 +24,6 @@ from ode_lm.export import (
     verify,
 )
 from ode_lm.export.hf_templates import TEMPLATE_FILES
-from ode_lm.export.source import load_run_model, run_data_dir
 
 FORMATS = ("raw", "hf", "hf-neox")
 
@@ -115,11 +114,12 @@ def export(
     data_dir: str | None = None,
     max_shard_bytes: int = safetensors_io.DEFAULT_MAX_SHARD_BYTES,
 ) -> ExportResult:
-    from ode_lm.training.checkpoint import load_model_config
+    from ode_lm.training.run_dir import RunDir, load_model
 
-    config = load_model_config(model_dir) if os.path.isdir(model_dir) else None
-    if config is None:
+    if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
+    run = RunDir(model_dir)
+    config = run.model_config()
     check_request(fmt, config.flavour, config.architecture, num_steps, dtype)
     if fmt != "raw" and config.architecture == "sequential":
         hf_sequential.check_sequential(config)
@@ -127,9 +127,10 @@ def export(
         raise FileExistsError(f"--out={out_dir}: directory exists and is not empty")
     if verify_logits and fmt != "raw":
         verify.require_hf()  # before the export is written, not after
-    model, config, step = load_run_model(model_dir, step)
+    model, loaded = load_model(model_dir, step)
+    config, step = loaded.config, loaded.step
     os.makedirs(out_dir, exist_ok=True)
-    data_dir = data_dir or run_data_dir(model_dir)
+    data_dir = data_dir or run.data_dir()
     if fmt == "raw":
         from ode_lm.export.raw import save_raw
 

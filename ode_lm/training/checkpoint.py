@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import signal
 import threading
 from typing import Any
@@ -36,7 +35,6 @@ from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
 
 CHECKPOINT_SUBDIR = "checkpoints"
-MODEL_CONFIG_FILE = "model_config.json"
 
 log = logging.getLogger("ode_lm.checkpoint")
 
@@ -364,24 +362,6 @@ def _restore_params_at(path: epath.Path, abstract_params: Any) -> Any:
     finally:
         handler.close()
     return restored["params"]
-
-
-def save_model_config(model_dir: str, config: Any) -> None:
-    """``MODEL_DIR/model_config.json``: rebuild the model without parsing gin."""
-    path = os.path.join(model_dir, MODEL_CONFIG_FILE)
-    with open(path + ".tmp", "w") as f:
-        json.dump(dataclasses.asdict(config), f, indent=2, sort_keys=True)
-    os.replace(path + ".tmp", path)
-
-
-def load_model_config(model_dir: str):
-    from ode_lm.models.config import ModelConfig
-
-    path = os.path.join(model_dir, MODEL_CONFIG_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: is {model_dir} a training run directory?")
-    with open(path) as f:
-        return ModelConfig(**json.load(f))
 
 
 # -------------------------------------------------------------------- preemption

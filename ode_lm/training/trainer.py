@@ -26,6 +26,7 @@ from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
+from ode_lm.training.run_dir import RunDir
 
 log = logging.getLogger("ode_lm.train")
 
@@ -341,12 +342,9 @@ class Trainer:
     def _write_run_files(self) -> None:
         if jax.process_index() != 0:
             return
-        ckpt_lib.save_model_config(self.cfg.model_dir, self.model_config)
-        if self.operative_config is not None:
-            path = os.path.join(self.cfg.model_dir, "config.gin")
-            with open(path + ".tmp", "w") as f:
-                f.write(self.operative_config())
-            os.replace(path + ".tmp", path)
+        operative = self.operative_config() if self.operative_config is not None else None
+        RunDir(self.cfg.model_dir).write_run_files(self.model_config, self.data_config,
+                                                   operative)
 
 
 def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
@@ -411,22 +409,3 @@ def check_vocab(model_config: ModelConfig, data_config: Any, evaluate: bool = Tr
     if evaluate:
         data_lib.check_eval_split(data_config, manifest)
 
-
-def restore_model(model_dir: str, step: int | None = None):
-    """(model, ModelConfig, step): the saved run's model with its parameters, on one CPU device.
-
-    Rebuilds from ``MODEL_DIR/model_config.json`` (no gin), restores parameters only, from a
-    checkpoint saved on any mesh. Analysis, export, sampling and fine-tuning start here.
-    """
-    from flax import nnx
-
-    config = ckpt_lib.load_model_config(model_dir)
-    device = jax.devices("cpu")[0]
-    mesh = partitioning.create_mesh((1, 1, 1), devices=[device])
-    rules = partitioning.axis_rules()
-    import optax
-
-    spec = state_lib.build_state_spec(default_model_fn(config), optax.identity(), mesh, rules)
-    params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
-    model = nnx.merge(spec.graphdef, nnx.State(params), spec.rest)
-    return model, config, step

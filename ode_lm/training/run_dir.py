@@ -1,0 +1,279 @@
+"""The run directory (``MODEL_DIR``): its layout, the files that hold a run's facts, and the
+one way to load a saved run's model.
+
+Layout (one run, pretraining or fine-tuning)::
+
+    config.gin             the operative gin config, for people (nothing reads it back,
+                           except the fallback for old runs below)
+    model_config.json      ModelConfig: the model is rebuilt from this, no gin
+    data_config.json       DataConfig (data dir resolved): eval, sample, export, analysis
+                           and fine-tuning learn the run's data from this
+    finetune.json          fine-tunes: what they were made from (method, mode, LoRA spec)
+    finetune_result.json   fine-tunes: trainable parameter counts and the final eval
+    checkpoints/<step>/{state,data}   training/checkpoint.py (``CHECKPOINT_SUBDIR``)
+    sharding.txt           partitioning.write_sharding_table (``SHARDING_FILE``)
+    run.lock               training/run_lock.py, while a run holds MODEL_DIR (``LOCK_FILE``)
+    metrics.jsonl, events.out.tfevents.*   training/metrics.py
+
+Runs from before ``data_config.json`` existed still load: their data settings are read, once
+and with a warning, from the literal ``DataConfig.*`` bindings of their ``config.gin``
+(gin's own parser, nothing registered or bound). That fallback is the only reader of
+``config.gin``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+from typing import Any
+
+from ode_lm import partitioning
+from ode_lm.data.config import DataConfig
+from ode_lm.models.config import ModelConfig
+from ode_lm.training import checkpoint as ckpt_lib
+from ode_lm.training.run_lock import LOCK_FILE
+
+log = logging.getLogger("ode_lm.run_dir")
+
+CONFIG_GIN = "config.gin"
+MODEL_CONFIG = "model_config.json"
+DATA_CONFIG = "data_config.json"
+FINETUNE = "finetune.json"
+FINETUNE_RESULT = "finetune_result.json"
+METRICS = "metrics.jsonl"
+
+_warned_legacy: set[str] = set()  # run dirs whose config.gin fallback was reported
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """Paths and files of one run directory (reading never writes; writing is atomic)."""
+
+    path: str
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    @property
+    def checkpoints(self) -> str:
+        return self.file(ckpt_lib.CHECKPOINT_SUBDIR)
+
+    @property
+    def sharding(self) -> str:
+        return self.file(partitioning.SHARDING_FILE)
+
+    @property
+    def lock(self) -> str:
+        return self.file(LOCK_FILE)
+
+    @property
+    def metrics(self) -> str:
+        return self.file(METRICS)
+
+    def checkpoint_steps(self) -> list[int]:
+        """Complete checkpoint steps, oldest first ([] when there are none)."""
+        import orbax.checkpoint as ocp
+
+        if not os.path.isdir(self.checkpoints):
+            return []
+        return sorted(ocp.utils.checkpoint_steps(self.checkpoints))
+
+    # ------------------------------------------------------------------ writing
+    def write_run_files(self, model_config: ModelConfig, data_config: Any,
+                        operative_config: str | None) -> None:
+        """What the trainer records before its first step (process 0)."""
+        self.write_model_config(model_config)
+        if dataclasses.is_dataclass(data_config):
+            self.write_data_config(data_config)
+        if operative_config is not None:
+            _write_text(self.file(CONFIG_GIN), operative_config)
+
+    def write_model_config(self, config: ModelConfig) -> None:
+        _write_json(self.file(MODEL_CONFIG), dataclasses.asdict(config))
+
+    def write_data_config(self, config: Any) -> None:
+        _write_json(self.file(DATA_CONFIG), dataclasses.asdict(config))
+
+    def write_finetune(self, info: dict[str, Any]) -> None:
+        os.makedirs(self.path, exist_ok=True)
+        _write_json(self.file(FINETUNE), info)
+
+    def write_finetune_result(self, result: dict[str, Any]) -> None:
+        _write_json(self.file(FINETUNE_RESULT), result)
+
+    # ------------------------------------------------------------------ reading
+    def model_config(self) -> ModelConfig:
+        path = self.file(MODEL_CONFIG)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: is {self.path} a training run directory?")
+        return ModelConfig(**_read_json(path))
+
+    def data_config(self) -> DataConfig | None:
+        """The run's ``DataConfig``; None when the run does not record one."""
+        path = self.file(DATA_CONFIG)
+        names = {f.name for f in dataclasses.fields(DataConfig)}
+        if os.path.exists(path):
+            values = _read_json(path)
+            unknown = sorted(set(values) - names)
+            if unknown:
+                raise ValueError(f"{path}: unknown DataConfig field(s) {unknown}")
+            return DataConfig(**values)
+        values = self._legacy_data_values()
+        if values is None:
+            return None
+        return DataConfig(**{k: v for k, v in values.items() if k in names})
+
+    def data_dir(self) -> str | None:
+        """The run's prepared-data dir (fine-tunes: their own data), or None."""
+        config = self.data_config()
+        return config.data_dir if config is not None else None
+
+    def finetune(self) -> dict[str, Any] | None:
+        """``finetune.json`` of a fine-tuning run; None for a pretraining run."""
+        path = self.file(FINETUNE)
+        return _read_json(path) if os.path.exists(path) else None
+
+    def finetune_result(self) -> dict[str, Any] | None:
+        """``finetune_result.json`` of a finished fine-tune; None before it finished."""
+        path = self.file(FINETUNE_RESULT)
+        return _read_json(path) if os.path.exists(path) else None
+
+    def _legacy_data_values(self) -> dict[str, Any] | None:
+        """Literal ``DataConfig.*`` bindings of an old run's ``config.gin`` (macros followed)."""
+        path = self.file(CONFIG_GIN)
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            values = _gin_literal_bindings(f.read(), "DataConfig")
+        if not values:
+            return None
+        if self.path not in _warned_legacy:
+            _warned_legacy.add(self.path)
+            log.warning("%s has no %s (a run from before it existed): its data settings are "
+                        "read from %s", self.path, DATA_CONFIG, CONFIG_GIN)
+        return values
+
+
+def _write_json(path: str, obj: Any) -> None:
+    _write_text(path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _write_text(path: str, text: str) -> None:
+    """Atomic: a reader sees the old file or the new one (the temporary name is per process,
+    so hosts that write the same file never trip over each other)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+class _Reference:
+    def __init__(self, name: str, macro: bool):
+        self.name, self.macro = name, macro
+
+
+class _Literals:
+    """gin parser delegate: keep macro names (to follow), mark configurable references."""
+
+    def configurable_reference(self, scoped_name, evaluate):
+        return _Reference(scoped_name, macro=False)
+
+    def macro(self, macro_name):
+        return _Reference(macro_name, macro=True)
+
+
+def _gin_literal_bindings(text: str, selector: str) -> dict[str, Any]:
+    """``{arg: value}`` for the unscoped ``selector.arg = literal`` lines of a gin text,
+    ``%MACRO`` values resolved through the text's macro lines; references are dropped."""
+    from gin import config_parser
+
+    bindings, macros = {}, {}
+    for stmt in config_parser.ConfigParser(text, _Literals()):
+        if not isinstance(stmt, config_parser.BindingStatement) or stmt.scope:
+            continue
+        if stmt.arg_name == "":  # NAME = value: a macro
+            macros[stmt.selector] = stmt.value
+        elif stmt.selector.split(".")[-1] == selector:
+            bindings[stmt.arg_name] = stmt.value
+    out = {}
+    for name, value in bindings.items():
+        for _ in range(8):
+            if not (isinstance(value, _Reference) and value.macro):
+                break
+            value = macros.get(value.name)
+        if not isinstance(value, _Reference):
+            out[name] = value
+    return out
+
+
+# ------------------------------------------------------------------ the model
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadedRun:
+    """A saved run's parameters on a mesh: ``spec`` is the plain model's (LoRA already
+    merged), so ``step.make_eval_step(spec, ...)`` and ``spec.model(params)`` apply."""
+
+    model_dir: str
+    config: ModelConfig
+    step: int
+    spec: Any  # training.state.StateSpec
+    params: Any
+    finetune: dict[str, Any] | None
+
+    def model(self):
+        return self.spec.model(self.params)
+
+
+def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None):
+    """``(model, LoadedRun)``: a saved run's model with its parameters (latest complete
+    checkpoint, or ``step``), LoRA fine-tunes with their update merged into the weights.
+
+    Parameters only (never the optimizer state), from a checkpoint saved on any mesh, onto
+    ``mesh`` (default: one CPU device) under ``rules`` (default: the standard table).
+    Analysis, eval, export, sampling and fine-tuning start here.
+    """
+    import jax
+    import optax
+
+    from ode_lm.models import build_model
+    from ode_lm.training import state as state_lib
+
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
+    run = RunDir(model_dir)
+    config = run.model_config()
+    finetune = run.finetune()
+    if mesh is None:
+        mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.devices("cpu")[0]])
+    rules = rules if rules is not None else partitioning.axis_rules()
+    model_fn = functools.partial(build_model, config)
+    spec = state_lib.build_state_spec(model_fn, optax.identity(), mesh, rules)
+    if finetune is None or finetune.get("method") != "lora":
+        params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
+    else:  # the checkpoint holds the wrapped model: restore it wrapped, then merge
+        from flax import nnx
+
+        from ode_lm.lora import lora_model_fn, lora_spec_from_dict, merge_lora
+
+        wrapped = state_lib.build_state_spec(
+            lora_model_fn(config, lora_spec_from_dict(finetune["lora"])), optax.identity(),
+            mesh, rules)
+        lora_params, step = ckpt_lib.restore_params(model_dir, wrapped.abstract_params, step)
+        merged = merge_lora(wrapped.model(lora_params))
+        params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding),
+                              nnx.to_pure_dict(nnx.state(merged, nnx.Param)),
+                              spec.abstract_params)
+    loaded = LoadedRun(model_dir, config, step, spec, params, finetune)
+    return loaded.model(), loaded
