@@ -93,10 +93,12 @@ def check_pretrained(cfg: FinetuneConfig) -> tuple[ModelConfig, int]:
 
 
 def check_tokenizer_match(pretrained_dir: str, data_config: Any, model: ModelConfig) -> None:
-    """The fine-tuning data must be tokenized exactly like the pretraining data."""
+    """The fine-tuning data must be tokenized exactly like the pretraining data (prepared
+    here if needed: by process 0 first on a multi-host job, so hosts never race on it)."""
     from ode_lm import data as data_lib
+    from ode_lm.training.trainer import prepare_data_once
 
-    ft = data_lib.ensure_prepared(data_config)
+    ft = prepare_data_once(data_config)
     pre_dir = run_data_dir(pretrained_dir)
     if pre_dir and os.path.exists(os.path.join(pre_dir, "manifest.json")):
         pre = data_lib.load_manifest(pre_dir)
@@ -184,7 +186,8 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     print_fn(f"fine-tuning {cfg.pretrained_dir} (step {step}) at M={cfg.num_steps} "
              f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
              f"({100.0 * n_train / n_total:.2f}%)")
-    write_finetune_info(model_dir, cfg, step)
+    if jax.process_index() == 0:
+        write_finetune_info(model_dir, cfg, step)
     train_config = gin_setup.GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
     step_config = gin_setup.GinStepConfig()
     if cfg.mode == "continuous":
@@ -199,8 +202,9 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     )
     result = trainer.run()
     info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
-    with open(os.path.join(model_dir, "finetune_result.json"), "w") as f:
-        json.dump({**info, "step": result.step, "eval": result.eval}, f, indent=2)
+    if jax.process_index() == 0:
+        with open(os.path.join(model_dir, "finetune_result.json"), "w") as f:
+            json.dump({**info, "step": result.step, "eval": result.eval}, f, indent=2)
     return result, info
 
 
