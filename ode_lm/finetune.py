@@ -24,6 +24,7 @@ from typing import Any
 
 import gin
 import jax
+import numpy as np
 from flax import nnx
 
 from ode_lm.config_types import check_types, register_with_gin
@@ -145,9 +146,18 @@ def make_init_params_fn(cfg: FinetuneConfig, model_config: ModelConfig, step: in
         if cfg.method == "lora":
             model = LoRAModel(model, model_config, cfg.lora, nnx.Rngs(seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract_params)
+        # every process holds the whole (one-CPU) model: each builds its own devices' shards
+        # from it (a device_put onto a multi-host sharding would be a cross-host transfer,
+        # which the CPU backend refuses)
+        return jax.tree.map(lambda x, a: global_from_host(np.asarray(x), a.sharding),
+                            params, abstract_params)
 
     return init
+
+
+def global_from_host(value: np.ndarray, sharding: Any) -> jax.Array:
+    """A global array over ``sharding`` from a host value every process holds whole."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def write_finetune_info(model_dir: str, cfg: FinetuneConfig, step: int) -> None:

@@ -395,7 +395,7 @@ def restore_model(model_dir: str, step: int | None = None):
     from flax import nnx
 
     config = ckpt_lib.load_model_config(model_dir)
-    device = jax.devices("cpu")[0]
+    device = jax.local_devices(backend="cpu")[0]  # this process's own, on a multi-host job too
     mesh = partitioning.create_mesh((1, 1, 1), devices=[device])
     rules = partitioning.axis_rules()
     import optax
