@@ -57,21 +57,24 @@ class EvalRun:
 
         return nnx.merge(self.spec.graphdef, nnx.State(self.params), self.spec.rest)
 
+    def evaluator(self, split: str = "validation"):
+        """``training.evaluation.Evaluator`` over the whole split (what the trainer uses)."""
+        from ode_lm.data import make_eval_iterator, to_global_batch
+        from ode_lm.training.evaluation import Evaluator
+
+        def batches():
+            return (to_global_batch(b, self.mesh, self.rules)
+                    for b in make_eval_iterator(self.data_config, split))
+
+        return Evaluator(self.spec, batches, model_num_steps=self.model_config.num_steps,
+                         model_rtol=self.model_config.rtol,
+                         what=f"split {split!r} of {self.data_config.data_dir}")
+
     def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
                  rtol: float | None = None, atol: float | None = None,
                  split: str = "validation"):
         """``step.EvalResult`` (loss, tokens, mean NFE) over the whole split."""
-        import jax
-
-        from ode_lm.data import make_eval_iterator, to_global_batch
-        from ode_lm.training import step as step_lib
-
-        eval_step = step_lib.make_eval_step(self.spec, num_steps, solver, rtol=rtol, atol=atol)
-        with jax.set_mesh(self.mesh):
-            batches = (to_global_batch(b, self.mesh, self.rules)
-                       for b in make_eval_iterator(self.data_config, split))
-            return step_lib.run_eval(eval_step, self.params, batches,
-                                     what=f"split {split!r} of {self.data_config.data_dir}")
+        return self.evaluator(split).result(self.params, num_steps, solver, rtol=rtol, atol=atol)
 
 
 def load_eval_run(model_dir: str, step: int | None = None) -> EvalRun:
@@ -110,25 +113,13 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
                  solver: str | None = None, step: int | None = None,
                  split: str = "validation", rtol: float | None = None,
                  atol: float | None = None) -> dict[str, float]:
-    """{'eval/loss@steps=M': ..., 'eval/perplexity@steps=M': ..., 'eval/nfe@steps=M'} for a
-    saved run; an adaptive solver gives the keys '...@<solver>:rtol=<rtol>' instead."""
-    from ode_lm.models import solvers as solvers_lib
-
+    """{'step', 'eval/loss', 'eval/perplexity', 'eval/nfe', 'eval/loss@steps=M', ...,
+    'eval/tokens'} for a saved run, named as the trainer names them
+    (``training.evaluation``: no suffix at the model's own N, '@<solver>:rtol=<r>' adaptive)."""
     check_solver_flags(solver, rtol, atol)
     run = load_eval_run(model_dir, step)
-    adaptive = solvers_lib.is_adaptive(solver)
-    results: dict[str, float] = {"step": float(run.step)}
-    for n in ([None] if adaptive else num_steps):
-        res = run.evaluate(n, solver, rtol=rtol, atol=atol, split=split)
-        if adaptive:
-            label = f"@{solver}:rtol={rtol if rtol is not None else run.model_config.rtol:g}"
-        else:
-            label = f"@steps={n or run.model_config.num_steps}"
-        results[f"eval/loss{label}"] = res.loss
-        results[f"eval/perplexity{label}"] = res.perplexity
-        results[f"eval/nfe{label}"] = res.nfe
-        results["eval/tokens"] = res.tokens
-    return results
+    sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
+    return {"step": float(run.step), **sweep}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 import gin
 import jax
+import numpy as np
 from flax import nnx
 
 from ode_lm.config_types import check_types, register_with_gin
@@ -89,10 +90,12 @@ def check_pretrained(cfg: FinetuneConfig) -> tuple[ModelConfig, int]:
 
 
 def check_tokenizer_match(pretrained_dir: str, data_config: Any, model: ModelConfig) -> None:
-    """The fine-tuning data must be tokenized exactly like the pretraining data."""
+    """The fine-tuning data must be tokenized exactly like the pretraining data (prepared
+    here if needed: by process 0 first on a multi-host job, so hosts never race on it)."""
     from ode_lm import data as data_lib
+    from ode_lm.training.trainer import prepare_data_once
 
-    ft = data_lib.ensure_prepared(data_config)
+    ft = prepare_data_once(data_config)
     pre_dir = RunDir(pretrained_dir).data_dir()
     if pre_dir and os.path.exists(os.path.join(pre_dir, "manifest.json")):
         pre = data_lib.load_manifest(pre_dir)
@@ -139,9 +142,18 @@ def make_init_params_fn(cfg: FinetuneConfig, model_config: ModelConfig, step: in
         if cfg.method == "lora":
             model = LoRAModel(model, model_config, cfg.lora, nnx.Rngs(seed))
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        return jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract_params)
+        # every process holds the whole (one-CPU) model: each builds its own devices' shards
+        # from it (a device_put onto a multi-host sharding would be a cross-host transfer,
+        # which the CPU backend refuses)
+        return jax.tree.map(lambda x, a: global_from_host(np.asarray(x), a.sharding),
+                            params, abstract_params)
 
     return init
+
+
+def global_from_host(value: np.ndarray, sharding: Any) -> jax.Array:
+    """A global array over ``sharding`` from a host value every process holds whole."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def finetune_info(cfg: FinetuneConfig, step: int) -> dict[str, Any]:
@@ -178,7 +190,8 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     print_fn(f"fine-tuning {cfg.pretrained_dir} (step {step}) at M={cfg.num_steps} "
              f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
              f"({100.0 * n_train / n_total:.2f}%)")
-    RunDir(model_dir).write_finetune(finetune_info(cfg, step))
+    if jax.process_index() == 0:
+        RunDir(model_dir).write_finetune(finetune_info(cfg, step))
     train_config = gin_setup.GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
     step_config = gin_setup.GinStepConfig()
     if cfg.mode == "continuous":
@@ -193,7 +206,8 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     )
     result = trainer.run()
     info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
-    RunDir(model_dir).write_finetune_result({**info, "step": result.step, "eval": result.eval})
+    if jax.process_index() == 0:
+        RunDir(model_dir).write_finetune_result({**info, "step": result.step, "eval": result.eval})
     return result, info
 
 

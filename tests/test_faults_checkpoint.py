@@ -23,7 +23,7 @@ import pytest
 from data_helpers import MICRO_MODEL_GIN
 from orbax.checkpoint._src.serialization import serialization as orbax_serialization
 
-from ode_lm.data import DataConfig
+from ode_lm.data import DataConfig, ensure_prepared
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import run_lock
@@ -44,9 +44,11 @@ DISK_FULL = ("RESOURCE_EXHAUSTED: Error writing local file: No space left on dev
 @pytest.fixture(scope="module")
 def data_config(tmp_path_factory) -> DataConfig:
     root = tmp_path_factory.mktemp("faults_data")
-    return DataConfig(source="builtin", tokenizer="bytes", data_dir=str(root / "data"),
-                      holdout_fraction=0.05, seq_len=32, global_batch_size=8,
-                      eval_max_batches=1)
+    cfg = DataConfig(source="builtin", tokenizer="bytes", data_dir=str(root / "data"),
+                     holdout_fraction=0.05, seq_len=32, global_batch_size=8,
+                     eval_max_batches=1)
+    ensure_prepared(cfg)  # a train_data that wraps default_train_data reads prepared shards
+    return cfg
 
 
 def make_trainer(model_dir, data_config, steps: int = 4, stop_at: int | None = None,
@@ -445,9 +447,13 @@ def test_failed_start_removes_only_what_it_created(run2, data_config, tmp_path):
 
 
 def test_bad_config_creates_no_model_dir(data_config, tmp_path):
+    """The vocabulary check is run's data step (after the lock is taken): the new MODEL_DIR
+    the failed start made is removed again."""
     model_dir = tmp_path / "never"
+    trainer = Trainer(model_config=MODEL.replace(vocab_size=128), data_config=data_config,
+                      train_config=TrainConfig(model_dir=str(model_dir), num_train_steps=2),
+                      devices=jax.devices()[:1], mesh_config=MeshConfig(ici_parallelism=(1, 1, 1)))
+    assert not model_dir.exists()  # building the trainer writes nothing
     with pytest.raises(ValueError, match="vocab_size=128 is smaller"):
-        Trainer(model_config=MODEL.replace(vocab_size=128), data_config=data_config,
-                train_config=TrainConfig(model_dir=str(model_dir), num_train_steps=2),
-                devices=jax.devices()[:1], mesh_config=MeshConfig(ici_parallelism=(1, 1, 1)))
+        trainer.run()
     assert not model_dir.exists()

@@ -141,3 +141,72 @@ def test_window_around_checkpoints_and_evals(tmp_path):
     # without the restart after the eval, step 3's read is still not timed (2 dispatches)
     rows, _ = drive(tmp_path / "no_restart", reads[:3], {3}, total=7)
     assert "train/step_time" not in rows[0]
+
+
+class _Window:
+    """Records what the reader hands to a MetricWindow."""
+
+    def __init__(self):
+        self.added, self.logged = [], []
+
+    def add(self, outputs, *, dispatched):
+        self.added.append((float(outputs["loss"]), dispatched))
+
+    def log(self, step, writer):
+        self.logged.append(step)
+        return f"line {step}"
+
+
+def test_step_reader_reads_one_step_late_and_drains_before_saves():
+    import numpy as np
+
+    from ode_lm.training.metrics import StepReader
+
+    window, lines = _Window(), []
+    reader = StepReader(window, None, lines.append, log_every=2, total_steps=3, max_bad_steps=2)
+
+    def out(loss, bad=0):
+        return {"loss": np.float32(loss), "bad_streak": np.int32(bad)}
+
+    reader.push(1, out(5.0))
+    assert window.added == []  # step 1 is held while step 2 would run
+    reader.push(2, out(4.0))
+    assert window.added == [(5.0, 2)]  # read when step 2 was dispatched
+    reader.drain(dispatched=2)  # e.g. before a checkpoint of step 2
+    reader.drain(dispatched=2)  # nothing held: no second read
+    reader.push(3, out(3.0))
+    reader.drain(dispatched=3)
+    assert window.added == [(5.0, 2), (4.0, 2), (3.0, 3)]
+    assert window.logged == [2, 3] and lines == ["line 2", "line 3"]  # interval + last step
+    assert (reader.first_loss, reader.last_loss) == (5.0, 3.0)
+    reader.push(4, out(float("nan"), bad=2))
+    with pytest.raises(FloatingPointError, match=r"2 consecutive steps .* \(last at step 4\)"):
+        reader.drain(dispatched=4)
+
+
+def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
+    """No suffix at the model's own N (None or N itself, evaluated once), @steps=M for the
+    others, @<solver>:rtol=<r> for an adaptive solver (once, whatever the N list)."""
+    from ode_lm.training import evaluation
+    from ode_lm.training.step import EvalResult
+
+    calls = []
+
+    def fake_result(self, params, num_steps=None, solver=None, *, rtol=None, atol=None):
+        calls.append((num_steps, solver, rtol))
+        return EvalResult(loss=float(num_steps or 4), tokens=10.0, nfe=1.0)
+
+    monkeypatch.setattr(evaluation.Evaluator, "result", fake_result)
+    ev = evaluation.Evaluator(None, lambda: [], model_num_steps=4, model_rtol=1e-3)
+    res = ev.sweep("params", (None, 2, 4, 8))
+    assert calls == [(None, None, None), (2, None, None), (8, None, None)]
+    assert res == {"eval/loss": 4.0, "eval/perplexity": math.exp(4.0), "eval/nfe": 1.0,
+                   "eval/tokens": 10.0,
+                   "eval/loss@steps=2": 2.0, "eval/perplexity@steps=2": math.exp(2.0),
+                   "eval/nfe@steps=2": 1.0,
+                   "eval/loss@steps=8": 8.0, "eval/perplexity@steps=8": math.exp(8.0),
+                   "eval/nfe@steps=8": 1.0}
+    assert set(ev.sweep("params", (2, 8), "dopri5")) == {
+        "eval/loss@dopri5:rtol=0.001", "eval/perplexity@dopri5:rtol=0.001",
+        "eval/nfe@dopri5:rtol=0.001", "eval/tokens"}
+    assert evaluation.metric_suffix(3, 4, "adaptive", 1e-2) == "@adaptive:rtol=0.01"

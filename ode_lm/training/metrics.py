@@ -300,3 +300,44 @@ class MetricWindow:
                remaining * self._run_seconds / self._run_steps if self._run_steps else math.nan)
         self._metrics, self._timed_steps, self._timed_seconds = None, 0, 0.0
         return progress_line(step, self.total_steps, values["loss"], tok_s, mfu_value, eta)
+
+
+class StepReader:
+    """The host side of finished steps, one step late: ``push`` a step's outputs right after
+    dispatching it and the previous step's are read (while this one runs); ``drain`` reads
+    the held step now (before a save, an eval, the end). Each read checks the NaN/Inf streak,
+    adds to the metric window and, on the log interval and the last step, logs it."""
+
+    def __init__(self, window: MetricWindow, writer: MetricWriter,
+                 print_fn: Callable[[str], None],
+                 *, log_every: int, total_steps: int, max_bad_steps: int):
+        self.window, self.writer, self.print = window, writer, print_fn
+        self.log_every, self.total_steps, self.max_bad_steps = log_every, total_steps, max_bad_steps
+        self.first_loss: float | None = None
+        self.last_loss: float | None = None
+        self._held: tuple[int, dict] | None = None  # (step, device outputs) not read yet
+
+    def push(self, step: int, outputs: dict) -> None:
+        """Step ``step`` was just dispatched: read the one before it, hold this one."""
+        self.drain(dispatched=step)
+        self._held = (step, outputs)
+
+    def drain(self, *, dispatched: int) -> None:
+        """Read the held step, if any (``dispatched``: steps dispatched so far)."""
+        if self._held is None:
+            return
+        (step, outputs), self._held = self._held, None
+        outputs = jax.device_get(outputs)
+        loss = float(outputs["loss"])
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.last_loss = loss
+        if int(outputs["bad_streak"]) >= self.max_bad_steps:
+            raise FloatingPointError(
+                f"{int(outputs['bad_streak'])} consecutive steps had a NaN/Inf loss or "
+                f"gradient (last at step {step}); aborting. Lower the learning rate or "
+                "check the data."
+            )
+        self.window.add(outputs, dispatched=dispatched)
+        if step % self.log_every == 0 or step == self.total_steps:
+            self.print(self.window.log(step, self.writer))

@@ -256,7 +256,7 @@ def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None
     config = run.model_config()
     finetune = run.finetune()
     if mesh is None:
-        mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.devices("cpu")[0]])
+        mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.local_devices(backend="cpu")[0]])
     rules = rules if rules is not None else partitioning.axis_rules()
     model_fn = functools.partial(build_model, config)
     spec = state_lib.build_state_spec(model_fn, optax.identity(), mesh, rules)

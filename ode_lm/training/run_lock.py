@@ -77,8 +77,12 @@ def _has_checkpoint(model_dir: str) -> bool:
 
 def _remove_created(lock: RunDirLock) -> None:
     if lock.created:
+        # a start that wrote nothing but its lock (a bad config found by the data step) has
+        # nothing to report beyond its own error line
+        wrote = set(os.listdir(lock.model_dir)) - {os.path.basename(lock.path)}
         shutil.rmtree(lock.created, ignore_errors=True)
-        log.warning("removed %s: the run failed before its first checkpoint", lock.created)
+        if wrote:
+            log.warning("removed %s: the run failed before its first checkpoint", lock.created)
         return
     for name in os.listdir(lock.model_dir):  # was empty before this run: all of it is ours
         p = os.path.join(lock.model_dir, name)

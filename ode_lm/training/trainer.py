@@ -1,8 +1,10 @@
 """The training loop: config → mesh → state → data → step → checkpoints + metrics.
 
-It reads top to bottom in that order and never branches on a mode. Fine-tuning reuses it
-by passing ``init_params_fn`` (e.g. load a pretrained run) and ``trainable`` (e.g. LoRA
-parameters only); depth sweeps, evaluation and export reuse the same pieces.
+It reads top to bottom in that order and never branches on a mode: ``__init__`` builds the
+mesh and the abstract state; ``run`` restores (or initialises) the state, then prepares the
+data and positions it at the state's step, then steps, saving and evaluating. Fine-tuning
+reuses it by passing ``init_params_fn`` (e.g. load a pretrained run) and ``trainable`` (e.g.
+LoRA parameters only); depth sweeps, evaluation and export reuse the same pieces.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
+from ode_lm.training.evaluation import Evaluator
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
 from ode_lm.training.run_dir import RunDir
 
@@ -170,14 +173,14 @@ class Trainer:
         self.print = print_fn if jax.process_index() == 0 else (lambda _: None)
         self.operative_config = operative_config
         self.init_params_fn = init_params_fn
-        # 1. mesh
+        # 2. mesh
         self.mesh = partitioning.create_mesh(
             mesh_config.ici_parallelism, mesh_config.dcn_parallelism, devices
         )
         self.rules = partitioning.axis_rules(mesh_config.rule_overrides)
         validate(model_config, data_config, step_config, self.mesh, self.rules)
         ensure_writable(train_config.model_dir)
-        # 2. abstract state and shardings
+        # 3. state: abstract state and shardings (restored or initialised in run)
         tx, self.schedule = make_optimizer(optimizer_config, train_config.num_train_steps)
         self.spec = state_lib.build_state_spec(
             model_fn or default_model_fn(model_config), tx, self.mesh, self.rules, trainable
@@ -186,64 +189,60 @@ class Trainer:
         partitioning.log_sharding_table(self.mesh, table)
         self.sharding_table = table
         partitioning.check_param_annotations(self.spec.abstract_params)
-        if train_data is None:
-            check_vocab(model_config, data_config, evaluate=eval_data is None)
-        # after the last check: orbax starts a thread that, cut off by an early exit, prints
-        # a traceback below the one-line error
-        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
+        # the default data is prepared and checked in run()'s data step, once
+        self.own_data = (train_data is None, eval_data is None)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
-        self._eval_steps: dict[int | None, Callable] = {}  # jitted once per ODE step count
+        self.evaluator = Evaluator(
+            self.spec, lambda: self.eval_data(self.data_config, self.mesh, self.rules),
+            model_num_steps=model_config.num_steps)
+        self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
 
     # ------------------------------------------------------------------ pieces
-    def restore_or_init(self, data_iterator: Any, restored: tuple | None = None
-                        ) -> tuple[dict, bool]:
-        """Latest complete checkpoint onto this mesh (``restored``: what
-        ``Checkpointer.restore_latest`` gave), else init (or the injected params)."""
-        step, state = restored or self.checkpointer.restore_latest(self.spec.abstract_state)
+    def restore_or_init(self) -> tuple[int, dict, bool]:
+        """(step, state, resumed): the latest complete checkpoint onto this mesh (its
+        metadata read once, here), else init (or the injected params) at step 0."""
+        step, state = self.checkpointer.restore_latest(self.spec.abstract_state)
         if step is not None:
-            self.checkpointer.restore_data(step, data_iterator)
-            return state, True
+            return step, state, True
         if self.init_params_fn is not None:
             params = self.init_params_fn(self.spec.abstract_params)
-            return state_lib.state_from_params(self.spec, params, self.cfg.seed), False
-        return state_lib.init_state(self.spec, self.cfg.seed), False
+            return 0, state_lib.state_from_params(self.spec, params, self.cfg.seed), False
+        return 0, state_lib.init_state(self.spec, self.cfg.seed), False
+
+    def data(self, start: int, resumed: bool) -> tuple[Any, Iterator[dict]]:
+        """(iterator, global batches) at ``start``: the default data prepared once (process 0
+        first, one barrier) and checked against the model, then the iterator's saved state
+        restored when the checkpoint has one for this process layout."""
+        own_train, own_eval = self.own_data
+        if own_train:
+            manifest = prepare_data_once(self.data_config)
+            check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
+        data_iterator, batches = self.train_data(self.data_config, self.mesh, self.rules, start)
+        if resumed and not self.checkpointer.restore_data(start, data_iterator):
+            log.warning("no data iterator state at step %d: using the step-derived position", start)
+        return data_iterator, batches
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
-        """Exact token-weighted eval loss/perplexity, plus the depth sweep."""
-        results = {}
-        solver = self.cfg.eval_solver
-        for num_steps in (None, *self.cfg.eval_num_steps):
-            if num_steps not in self._eval_steps:
-                self._eval_steps[num_steps] = step_lib.make_eval_step(self.spec, num_steps, solver)
-            with jax.set_mesh(self.mesh):
-                res = step_lib.run_eval(self._eval_steps[num_steps], params,
-                                        self.eval_data(self.data_config, self.mesh, self.rules))
-            suffix = "" if num_steps is None else f"@steps={num_steps}"
-            results[f"eval/loss{suffix}"] = res.loss
-            results[f"eval/perplexity{suffix}"] = res.perplexity
-            if num_steps is None:
-                results["eval/tokens"] = res.tokens
-        return results
+        """The model's own N and the depth sweep, named as in ``training.evaluation``."""
+        return self.evaluator.sweep(params, (None, *self.cfg.eval_num_steps),
+                                    self.cfg.eval_solver)
 
     # -------------------------------------------------------------------- loop
     def run(self) -> TrainResult:
         """The loop, holding MODEL_DIR's run lock (process 0) from before its first write."""
         with run_lock.hold(self.cfg.model_dir, primary=jax.process_index() == 0):
-            return self._run()
+            try:
+                return self._run()
+            finally:
+                self.checkpointer.close()
 
     def _run(self) -> TrainResult:
         cfg = self.cfg
         # 3. state (an incompatible checkpoint is refused before anything is written; a
-        # damaged one falls back to the previous), then data positioned at its step
-        restored = self.checkpointer.restore_latest(self.spec.abstract_state)
-        data_iterator, batches = self.train_data(
-            self.data_config, self.mesh, self.rules, restored[0] or 0
-        )
-        state, resumed = self.restore_or_init(data_iterator, restored)
-        start = int(jax.device_get(state["step"]))
-        if resumed and not self.checkpointer.data_restored(start):
-            log.warning("no data iterator state at step %d: using the step-derived position", start)
+        # damaged one falls back to the previous); 4. data, positioned at the state's step
+        start, state, resumed = self.restore_or_init()
+        data_iterator, batches = self.data(start, resumed)
         self._write_run_files()
         partitioning.write_sharding_table(cfg.model_dir, self.mesh, self.sharding_table)
         writer = metrics_lib.create_writer(cfg.model_dir)
@@ -254,6 +253,7 @@ class Trainer:
             f"{'resumed from' if resumed else 'initialised at'} step {start} | mesh "
             f"{dict(self.mesh.shape)} | {num_params:,} parameters"
         )
+        # 5. step
         train_step = step_lib.jit_train_step(self.spec, self.schedule, self.step_config)
         tokens_per_step = self.data_config.global_batch_size * self.data_config.seq_len
         peak = metrics_lib.total_peak_flops(
@@ -263,62 +263,36 @@ class Trainer:
             self.model_config, self.step_config.num_steps, self.data_config.seq_len,
             tokens_per_step // self.step_config.microbatches,
         )
-        watcher = ckpt_lib.PreemptionWatcher().install()
-        result = TrainResult(cfg.model_dir, start, None, None, {})
-        pending = None
         window = metrics_lib.MetricWindow(tokens_per_step=tokens_per_step, flops_per_token=fpt,
                                           peak_flops=peak, total_steps=cfg.num_train_steps)
-
-        def consume(step_done: int, outputs: dict, dispatched: int) -> None:
-            """Host side of a finished step (read one step late; ``dispatched``: steps
-            dispatched so far, for the step timing)."""
-            outputs = jax.device_get(outputs)
-            loss = float(outputs["loss"])
-            if result.first_loss is None:
-                result.first_loss = loss
-            result.last_loss = loss
-            if int(outputs["bad_streak"]) >= cfg.max_bad_steps:
-                raise FloatingPointError(
-                    f"{int(outputs['bad_streak'])} consecutive steps had a NaN/Inf loss or "
-                    f"gradient (last at step {step_done}); aborting. Lower the learning rate or "
-                    "check the data."
-                )
-            window.add(outputs, dispatched=dispatched)
-            if step_done % cfg.log_every and step_done != cfg.num_train_steps:
-                return
-            self.print(window.log(step_done, writer))
-
+        reader = metrics_lib.StepReader(window, writer, self.print, log_every=cfg.log_every,
+                            total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps)
+        watcher = ckpt_lib.PreemptionWatcher().install()
+        result = TrainResult(cfg.model_dir, start, None, None, {})
         step = start
         try:
             with jax.set_mesh(self.mesh):
                 while step < cfg.num_train_steps:
-                    batch = next(batches)
-                    state, outputs = train_step(state, batch)
-                    if pending is not None:
-                        consume(*pending, dispatched=step + 1)
+                    state, outputs = train_step(state, next(batches))
                     step += 1
-                    pending = (step, outputs)
+                    reader.push(step, outputs)  # reads the previous step's outputs
                     if step % self.checkpointer.config.save_every == 0:
                         # the save waits for this step's state anyway: log it first, so a
                         # crash after the checkpoint leaves no gap in metrics.jsonl
-                        consume(*pending, dispatched=step)
-                        pending = None
+                        reader.drain(dispatched=step)
                     self.checkpointer.save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
-                        if pending is not None:
-                            consume(*pending, dispatched=step)
-                            pending = None
+                        reader.drain(dispatched=step)
                         self._log_eval(writer, step, self.evaluate(state["params"], step))
                         window.restart()
                     if watcher.should_stop(step):
                         result.preempted = True
                         break
-                if pending is not None:
-                    consume(*pending, dispatched=step)
-                    pending = None
+                reader.drain(dispatched=step)
             self.checkpointer.save(step, state, data_iterator, force=True)
             self.checkpointer.wait()
             result.step = step
+            result.first_loss, result.last_loss = reader.first_loss, reader.last_loss
             if result.preempted:
                 self.print(f"preempted: saved step {step} to {self.checkpointer.directory}; "
                            "rerun the same command to continue")
@@ -329,14 +303,14 @@ class Trainer:
             watcher.uninstall()
             writer.flush()
             writer.close()
-            self.checkpointer.close()
         self.state = state
         return result
 
     # ----------------------------------------------------------------- helpers
     def _log_eval(self, writer, step: int, results: dict[str, float]) -> None:
         writer.write_scalars(step, results)
-        shown = " | ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "eval/tokens")
+        shown = " | ".join(f"{k} {v:.4f}" for k, v in results.items()
+                           if not k.startswith(("eval/tokens", "eval/nfe")))
         self.print(f"eval @ step {step} | {shown}")
 
     def _write_run_files(self) -> None:
@@ -378,10 +352,10 @@ def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = Non
 
 
 def default_train_data(data_config: Any, mesh, rules, start_step: int):
-    """The grain train pipeline of ode_lm.data, as global arrays sharded over the batch."""
+    """The grain train pipeline of ode_lm.data over the prepared DATA_DIR (the trainer's data
+    step has run ``prepare_data_once``), as global arrays sharded over the batch."""
     from ode_lm import data as data_lib
 
-    prepare_data_once(data_config)
     iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
     return iterator, (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
@@ -394,13 +368,13 @@ def default_eval_data(data_config: Any, mesh, rules):
     return (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
 
-def check_vocab(model_config: ModelConfig, data_config: Any, evaluate: bool = True) -> None:
+def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
+                evaluate: bool = True) -> None:
     """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
     the default eval data) the validation split holds at least one eval batch, from the
-    manifest alone. ``prepare_data_once`` has already checked the data dir itself."""
+    manifest alone (``prepare_data_once`` has checked the data dir itself)."""
     from ode_lm import data as data_lib
 
-    manifest = prepare_data_once(data_config)
     if manifest["vocab_size"] > model_config.vocab_size:
         raise ValueError(
             f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
