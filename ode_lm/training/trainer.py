@@ -19,6 +19,7 @@ import jax
 
 from ode_lm import partitioning
 from ode_lm.config_types import check_types
+from ode_lm.harness.run import check_train_config, training_metrics
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
@@ -43,9 +44,14 @@ class TrainConfig:
     eval_solver: str | None = None  # solver for the eval and the depth sweep (None: model's)
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
     cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
+    # lm-eval tasks (names or YAML files) run at each eval: lm_eval/<task>/<metric>
+    lm_eval_tasks: tuple[str, ...] = ()
+    lm_eval_include_path: str | None = None  # a directory of local task YAMLs
+    lm_eval_limit: int | None = None  # documents per task (None: all)
 
     def __post_init__(self):
         check_types(self)
+        check_train_config(self)
         if self.num_train_steps < 1:
             raise ValueError(f"TrainConfig.num_train_steps={self.num_train_steps}: must be >= 1")
         if self.log_every < 1:
@@ -223,6 +229,7 @@ class Trainer:
             results[f"eval/perplexity{suffix}"] = res.perplexity
             if num_steps is None:
                 results["eval/tokens"] = res.tokens
+        results.update(training_metrics(self.cfg, self.spec, params, self.data_config))
         return results
 
     # -------------------------------------------------------------------- loop
