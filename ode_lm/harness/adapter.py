@@ -16,9 +16,9 @@ tokenised and truncated the same way. So, as ``HFLM`` does:
   (``ode_lm.generation``, KV-cached) ``max_gen_toks`` tokens, stops at EOS and cuts the text at
   the first stop sequence.
 
-Requests are batched (``batch_size`` rows, widths rounded up to ``length_bucket`` so a task
-compiles a handful of programs); padding is segment 0 and never scored, so the batch a
-request lands in never changes its score.
+Requests are batched (``batch_size`` rows, widths rounded up to a power of two from
+``length_bucket``, so a task compiles a few programs, not one per width); padding is
+segment 0 and never scored, so the batch a request lands in never changes its score.
 """
 
 from __future__ import annotations
@@ -58,8 +58,12 @@ def _score(graphdef, state, tokens, targets, segment_ids, *, num_steps, solver, 
     return target_logp, jnp.argmax(logits, axis=-1) == targets
 
 
-def _bucket(n: int, bucket: int, cap: int) -> int:
-    return min(cap, -(-n // bucket) * bucket) if n <= cap else n
+def _bucket(n: int, smallest: int, cap: int) -> int:
+    """The padded width for ``n`` tokens: a power of two >= ``smallest``, at most ``cap``."""
+    width = smallest
+    while width < n:
+        width *= 2
+    return max(n, min(width, cap))
 
 
 class OdeLM(TemplateLM):

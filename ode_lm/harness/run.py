@@ -49,7 +49,25 @@ def task_manager(tasks: Sequence[str], include_path: str | None = None):
             _TASK_MANAGERS[key] = local or TaskManager(include_defaults=False)
         else:
             _TASK_MANAGERS[key] = TaskManager(include_path=include_path)
+    known = set(_TASK_MANAGERS[key].all_tasks)
+    missing = [t for t in tasks if t not in known and not os.path.isfile(t)]
+    if missing:
+        where = f" or in {include_path}" if include_path else ""
+        raise KeyError(f"--lm_eval_tasks: {', '.join(missing)}: no such lm-eval task, group, "
+                       f"tag or YAML file (lm-eval {_version()}{where})")
     return _TASK_MANAGERS[key]
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def _versions_only(storage: dict[str, Any]) -> None:
+    """Stands in for lm-eval's ``add_env_info``, which runs torch's environment probe (pip
+    and nvidia-smi subprocesses, seconds) on every call; in a training loop that adds up."""
+    storage["lm_eval_version"] = _version()
 
 
 def simple_evaluate(lm: Any, tasks: Sequence[str], *, include_path: str | None = None,
@@ -58,12 +76,17 @@ def simple_evaluate(lm: Any, tasks: Sequence[str], *, include_path: str | None =
     """lm-eval's result dict for an ``LM`` (ours or ``--model hf``'s), no stderr bootstrap."""
     require_lm_eval()
     import lm_eval
+    from lm_eval import evaluator
 
     if limit is not None and limit < 1:
         raise ValueError(f"--lm_eval_limit={limit}: must be >= 1 (documents per task)")
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=list(tasks), task_manager=task_manager(tasks, include_path),
-        limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=log_samples)
+    probe, evaluator.add_env_info = evaluator.add_env_info, _versions_only
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=task_manager(tasks, include_path),
+            limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=log_samples)
+    finally:
+        evaluator.add_env_info = probe
     if results is None:  # only a non-zero rank of a distributed lm-eval gets None
         raise RuntimeError("lm-eval returned no results")
     return results
