@@ -34,11 +34,11 @@ def parse_tasks(text: str | Sequence[str], flag: str = "--lm_eval_tasks") -> tup
 
 def task_manager(tasks: Sequence[str], include_path: str | None = None):
     """An lm-eval ``TaskManager`` that knows ``tasks`` (built once per process and setting)."""
+    if include_path is not None and not os.path.isdir(include_path):
+        raise FileNotFoundError(f"--lm_eval_include_path={include_path}: no such directory")
     require_lm_eval()
     from lm_eval.tasks import TaskManager
 
-    if include_path is not None and not os.path.isdir(include_path):
-        raise FileNotFoundError(f"--lm_eval_include_path={include_path}: no such directory")
     key = (tuple(tasks), include_path)
     if key not in _TASK_MANAGERS:
         local = TaskManager(include_path=include_path, include_defaults=False) \
