@@ -72,7 +72,9 @@ def ours(tiny):
     """The adapter's results at N on every local task, with the per-request responses."""
     run, _, tok = tiny
     model, _, _ = restore_model(run)
-    lm = OdeLM(model, tok, num_steps=N, batch_size=5)
+    # One width for every request (64 = max_seq_len): one compiled scorer and one compiled
+    # generation loop; the bucketing itself is exercised by the scoring-rule test below.
+    lm = OdeLM(model, tok, num_steps=N, batch_size=5, length_bucket=64)
     return harness.simple_evaluate(lm, ALL, include_path=TASKS, log_samples=True)
 
 
@@ -178,14 +180,17 @@ def test_eval_cli_runs_lm_eval_tasks_at_each_n(tiny, ours, capsys):
 def test_trainer_writes_lm_eval_scalars_every_eval(tmp_path):
     """TrainConfig.lm_eval_tasks: lm_eval/<task>/<metric> in TensorBoard at each eval, equal
     to the adapter on the saved checkpoint of that step."""
+    from data_helpers import small_texts, write_jsonl
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from ode_lm.data import DataConfig
     from ode_lm.data.tokenizers import get_tokenizer
     from ode_lm.training.trainer import TrainConfig, Trainer
 
-    data = DataConfig(data_dir=str(tmp_path / "data"), tokenizer="bytes", seq_len=16,
-                      global_batch_size=8, holdout_fraction=0.05, eval_max_batches=1)
+    corpus = write_jsonl(tmp_path / "corpus.jsonl", small_texts(200) + _task_texts())
+    data = DataConfig(source=str(corpus), data_dir=str(tmp_path / "data"), tokenizer="bytes",
+                      seq_len=16, global_batch_size=8, holdout_fraction=0.1,
+                      eval_max_batches=1)
     model_dir = str(tmp_path / "run")
     cfg = TrainConfig(model_dir=model_dir, num_train_steps=2, eval_every=1,
                       lm_eval_tasks=("ode_lm_tiny_cloze",), lm_eval_include_path=TASKS,
