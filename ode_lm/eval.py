@@ -6,6 +6,8 @@ adaptive solver (``--solver=adaptive --rtol=1e-3``: Bogacki–Shampine 3(2), or 
 which also reports the mean number of vector-field evaluations (NFE) per batch. The data
 and model settings come from ``MODEL_DIR/{data,model}_config.json``; the mesh is all local
 devices.
+``--lm_eval_tasks=TASKS [--lm_eval_include_path=DIR]`` runs lm-eval tasks on the checkpoint
+instead (``ode_lm.harness``; at each ``--num_steps``), with no export.
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                    help="adaptive solvers: absolute tolerance (default: ModelConfig.atol)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--split", default="validation")
+    p.add_argument("--lm_eval_tasks", default=None,
+                   help="lm-eval tasks (comma-separated names or YAML files) instead of the "
+                        "validation loss: lm_eval/<task>/<metric>, no export needed")
+    p.add_argument("--lm_eval_include_path", default=None,
+                   help="a directory of local lm-eval task YAMLs")
+    p.add_argument("--lm_eval_limit", type=int, default=None, help="documents per task")
+    p.add_argument("--lm_eval_num_fewshot", type=int, default=None)
     return p.parse_args(argv)
 
 
@@ -122,6 +131,22 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     return {"step": float(run.step), **sweep}
 
 
+def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[str, float]:
+    """``--lm_eval_tasks`` on the checkpoint at each N through ``harness.adapter.OdeLM``."""
+    from ode_lm.data.tokenizers import get_tokenizer
+    from ode_lm.harness import run as harness
+
+    check_solver_flags(args.solver, args.rtol, args.atol)
+    tasks = harness.parse_tasks(args.lm_eval_tasks)
+    harness.task_manager(tasks, args.lm_eval_include_path)  # bad tasks/paths before the restore
+    run = load_eval_run(args.model_dir, args.step)
+    tokenizer = get_tokenizer(run.data_config.tokenizer, run.data_config.data_dir)
+    return {"step": float(run.step), **harness.evaluate_model(
+        run.model(), tokenizer, tasks, num_steps=steps, solver=args.solver, rtol=args.rtol,
+        atol=args.atol, include_path=args.lm_eval_include_path, limit=args.lm_eval_limit,
+        num_fewshot=args.lm_eval_num_fewshot)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     setup_logging()
@@ -129,8 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = [None] if not args.num_steps else [int(s) for s in args.num_steps.split(",")]
         if any(s is not None and s < 1 for s in steps):
             raise ValueError(f"--num_steps={args.num_steps}: every entry must be >= 1")
-        results = evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
-                               args.rtol, args.atol)
+        results = lm_eval_run(args, steps) if args.lm_eval_tasks else evaluate_run(
+            args.model_dir, steps, args.solver, args.step, args.split, args.rtol, args.atol)
     except user_errors() as e:
         if os.environ.get("ODE_LM_DEBUG"):
             raise

@@ -116,11 +116,13 @@ def sample_token(logits, key, temperature: float, top_p: float, vocab_limit: int
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [B, P], valid [B, P]) with every prompt right-aligned."""
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = 0,
+             min_width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [B, P], valid [B, P]) with every prompt right-aligned; P >= ``min_width`` (a
+    caller that buckets prompt widths compiles once per bucket, not once per width)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
-    width = max(len(p) for p in prompts)
+    width = max(min_width, max(len(p) for p in prompts))
     tokens = np.full((len(prompts), width), pad_id, np.int32)
     valid = np.zeros((len(prompts), width), bool)
     for i, p in enumerate(prompts):
@@ -204,9 +206,11 @@ def generate(
     vocab_limit: int | None = None,
     rtol: float | None = None,
     atol: float | None = None,
+    min_width: int = 0,
 ) -> np.ndarray:
     """New tokens [B, max_new_tokens] for a batch of token-id prompts (jitted; KV-cached for
-    fixed-grid solvers, recomputed for adaptive ones at ``rtol``/``atol``)."""
+    fixed-grid solvers, recomputed for adaptive ones at ``rtol``/``atol``). Prompts are
+    left-padded to at least ``min_width`` tokens (padding never changes the output)."""
     check_num_steps(num_steps)
     if max_new_tokens <= 0:
         raise ValueError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
@@ -218,7 +222,7 @@ def generate(
     num_steps = config.num_steps if num_steps is None else num_steps
     solver = config.solver if solver is None else solver
     solvers.check_solver(solver, adaptive_ok=True)
-    tokens, valid = left_pad(prompts)
+    tokens, valid = left_pad(prompts, min_width=min_width)
     if tokens.shape[1] + max_new_tokens > config.max_seq_len and config.flavour == "gpt2":
         raise ValueError(
             f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the learned "

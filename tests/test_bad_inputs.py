@@ -114,6 +114,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "eval: negative rtol": ([*EVAL, "--solver=adaptive", "--rtol=-1"], "rtol"),
     "eval: no such step": ([*EVAL, "--step=999"], "999"),
     "eval: unknown split": ([*EVAL, "--split=bogus"], "bogus"),
+    "eval: empty lm-eval task": ([*EVAL, "--lm_eval_tasks=a,,b"], "--lm_eval_tasks='a,,b'"),
+    "eval: no such lm-eval include path": (
+        [*EVAL, "--lm_eval_tasks=x", "--lm_eval_include_path={WORK}/nope"],
+        "--lm_eval_include_path="),
     # sample
     "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0"),
     "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature"),

@@ -21,6 +21,7 @@ import jax
 
 from ode_lm import partitioning
 from ode_lm.config_types import check_types
+from ode_lm.harness.run import check_train_config, training_metrics
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
@@ -47,9 +48,14 @@ class TrainConfig:
     eval_solver: str | None = None  # solver for the eval and the depth sweep (None: model's)
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
     cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
+    # lm-eval tasks (names or YAML files) run at each eval: lm_eval/<task>/<metric>
+    lm_eval_tasks: tuple[str, ...] = ()
+    lm_eval_include_path: str | None = None  # a directory of local task YAMLs
+    lm_eval_limit: int | None = None  # documents per task (None: all)
 
     def __post_init__(self):
         check_types(self)
+        check_train_config(self)
         if self.num_train_steps < 1:
             raise ValueError(f"TrainConfig.num_train_steps={self.num_train_steps}: must be >= 1")
         if self.log_every < 1:
@@ -224,9 +230,12 @@ class Trainer:
         return data_iterator, batches
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
-        """The model's own N and the depth sweep, named as in ``training.evaluation``."""
-        return self.evaluator.sweep(params, (None, *self.cfg.eval_num_steps),
-                                    self.cfg.eval_solver)
+        """The model's own N and the depth sweep, named as in ``training.evaluation``, plus
+        ``TrainConfig.lm_eval_tasks`` (``lm_eval/<task>/<metric>``)."""
+        results = self.evaluator.sweep(params, (None, *self.cfg.eval_num_steps),
+                                       self.cfg.eval_solver)
+        results.update(training_metrics(self.cfg, self.spec, params, self.data_config))
+        return results
 
     # -------------------------------------------------------------------- loop
     def run(self) -> TrainResult:

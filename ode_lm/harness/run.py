@@ -1,0 +1,161 @@
+"""Running lm-eval tasks on an ode-lm model and naming the results ``lm_eval/<task>/<metric>``.
+
+Why a task manager is cached and built without lm-eval's own tasks when it can: indexing
+the ~15k built-in task files takes ~30 s on a CPU host, which would dominate a small
+in-training eval every ``eval_every`` steps. When every requested task is a YAML file or is
+found under ``include_path``, the built-ins are not indexed at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+_TASK_MANAGERS: dict[tuple, Any] = {}
+
+
+def require_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise RuntimeError("lm-eval is not installed: pip install -e '.[lmeval]'") from None
+
+
+def parse_tasks(text: str | Sequence[str], flag: str = "--lm_eval_tasks") -> tuple[str, ...]:
+    """'a,b' or ('a', 'b') -> ('a', 'b'); empty entries are an error."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    tasks = tuple(t.strip() for t in items)
+    if not tasks or any(not t for t in tasks):
+        raise ValueError(f"{flag}={text!r}: expected comma-separated lm-eval task names")
+    return tasks
+
+
+def task_manager(tasks: Sequence[str], include_path: str | None = None):
+    """An lm-eval ``TaskManager`` that knows ``tasks`` (built once per process and setting)."""
+    if include_path is not None and not os.path.isdir(include_path):
+        raise FileNotFoundError(f"--lm_eval_include_path={include_path}: no such directory")
+    require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    key = (tuple(tasks), include_path)
+    if key not in _TASK_MANAGERS:
+        local = TaskManager(include_path=include_path, include_defaults=False) \
+            if include_path else None
+        known = set(local.all_tasks) if local else set()
+        if all(t in known or t.endswith((".yaml", ".yml")) and os.path.isfile(t)
+               for t in tasks):
+            _TASK_MANAGERS[key] = local or TaskManager(include_defaults=False)
+        else:
+            _TASK_MANAGERS[key] = TaskManager(include_path=include_path)
+    known = set(_TASK_MANAGERS[key].all_tasks)
+    missing = [t for t in tasks if t not in known and not os.path.isfile(t)]
+    if missing:
+        where = f" or in {include_path}" if include_path else ""
+        raise KeyError(f"--lm_eval_tasks: {', '.join(missing)}: no such lm-eval task, group, "
+                       f"tag or YAML file (lm-eval {_version()}{where})")
+    return _TASK_MANAGERS[key]
+
+
+def _version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def _versions_only(storage: dict[str, Any]) -> None:
+    """Stands in for lm-eval's ``add_env_info``, which runs torch's environment probe (pip
+    and nvidia-smi subprocesses, seconds) on every call; in a training loop that adds up."""
+    storage["lm_eval_version"] = _version()
+
+
+def simple_evaluate(lm: Any, tasks: Sequence[str], *, include_path: str | None = None,
+                    limit: int | None = None, num_fewshot: int | None = None,
+                    log_samples: bool = False) -> dict[str, Any]:
+    """lm-eval's result dict for an ``LM`` (ours or ``--model hf``'s), no stderr bootstrap."""
+    require_lm_eval()
+    import lm_eval
+    from lm_eval import evaluator
+
+    if limit is not None and limit < 1:
+        raise ValueError(f"--lm_eval_limit={limit}: must be >= 1 (documents per task)")
+    probe, evaluator.add_env_info = evaluator.add_env_info, _versions_only
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm, tasks=list(tasks), task_manager=task_manager(tasks, include_path),
+            limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=log_samples)
+    finally:
+        evaluator.add_env_info = probe
+    if results is None:  # only a non-zero rank of a distributed lm-eval gets None
+        raise RuntimeError("lm-eval returned no results")
+    return results
+
+
+def metrics(results: dict[str, Any], suffix: str = "") -> dict[str, float]:
+    """{'lm_eval/<task>/<metric>[:<filter>]<suffix>': value} for every numeric metric (filter
+    'none', the default, is left out; standard errors are left out)."""
+    out: dict[str, float] = {}
+    for task, values in sorted(results["results"].items()):
+        for key, value in values.items():
+            name, _, filt = key.partition(",")
+            if not filt or "_stderr" in name or isinstance(value, bool):
+                continue
+            if isinstance(value, int | float) and math.isfinite(float(value)):
+                label = name if filt == "none" else f"{name}:{filt}"
+                out[f"lm_eval/{task}/{label}{suffix}"] = float(value)
+    return out
+
+
+def evaluate_model(model: Any, tokenizer: Any, tasks: Sequence[str], *,
+                   num_steps: Sequence[int | None] = (None,), solver: str | None = None,
+                   rtol: float | None = None, atol: float | None = None,
+                   include_path: str | None = None, limit: int | None = None,
+                   num_fewshot: int | None = None, batch_size: int = 16) -> dict[str, float]:
+    """lm-eval metrics of one model at each N (keys end in ``@steps=N`` for a sweep)."""
+    require_lm_eval()
+    from ode_lm.harness.adapter import OdeLM
+
+    tasks = parse_tasks(tasks)
+    out: dict[str, float] = {}
+    sweep = len(num_steps) > 1
+    for n in num_steps:
+        lm = OdeLM(model, tokenizer, num_steps=n, solver=solver, rtol=rtol, atol=atol,
+                   batch_size=batch_size)
+        res = simple_evaluate(lm, tasks, include_path=include_path, limit=limit,
+                              num_fewshot=num_fewshot)
+        suffix = f"@steps={n or model.config.num_steps}" if sweep else ""
+        out.update(metrics(res, suffix))
+    return out
+
+
+def check_train_config(train_config: Any) -> None:
+    """Before any step: lm-eval is installed and the ``TrainConfig.lm_eval_*`` values make
+    sense (a typo should not wait for the first eval to surface)."""
+    if not train_config.lm_eval_tasks:
+        return
+    parse_tasks(train_config.lm_eval_tasks, "TrainConfig.lm_eval_tasks")
+    path, limit = train_config.lm_eval_include_path, train_config.lm_eval_limit
+    if path is not None and not os.path.isdir(path):
+        raise FileNotFoundError(f"TrainConfig.lm_eval_include_path={path}: no such directory")
+    if limit is not None and limit < 1:
+        raise ValueError(f"TrainConfig.lm_eval_limit={limit}: must be >= 1")
+    require_lm_eval()
+
+
+def training_metrics(train_config: Any, spec: Any, params: Any, data_config: Any
+                     ) -> dict[str, float]:
+    """The trainer's hook: ``TrainConfig.lm_eval_tasks`` on the current parameters at the
+    model's N and ``TrainConfig.eval_solver``; {} when no tasks are set."""
+    tasks = train_config.lm_eval_tasks
+    if not tasks:
+        return {}
+    from flax import nnx
+
+    from ode_lm.data.tokenizers import get_tokenizer
+
+    model = nnx.merge(spec.graphdef, nnx.State(params), spec.rest)
+    tokenizer = get_tokenizer(data_config.tokenizer, data_config.data_dir)
+    return evaluate_model(model, tokenizer, tasks, solver=train_config.eval_solver,
+                          include_path=train_config.lm_eval_include_path,
+                          limit=train_config.lm_eval_limit)
