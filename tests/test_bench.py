@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ode_lm import bench_utils as bu
+from ode_lm.bench import train_bench as bu
 
 
 def load_tool(repo_root, name: str):

@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _validate(p, args)
     if args.platform != "auto":  # before jax is imported
         os.environ["JAX_PLATFORMS"] = args.platform
-    from ode_lm.bench_utils import CONFIGS
+    from ode_lm.bench.presets import CONFIGS
 
     if args.config not in CONFIGS:
         p.error(f"--config={args.config!r}: expected one of {sorted(CONFIGS)}")
@@ -83,7 +83,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     """Build, compile and time every requested bench; print the table; return the figures."""
     import jax
 
-    from ode_lm import bench_utils as bu
+    from ode_lm.bench import train_bench as bu
     from ode_lm.models.lm import precompute_weights
 
     cfg = bu.get_config(args.config)

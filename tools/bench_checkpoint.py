@@ -129,7 +129,7 @@ def build_state(config_name: str):
     """The bench config's initialised train state (params + AdamW moments) on this host."""
     import jax
 
-    from ode_lm import bench_utils as bu
+    from ode_lm.bench import train_bench as bu
     from ode_lm.training import state as state_lib
 
     model_config = bu.get_config(config_name).model_config("ode")

@@ -1,5 +1,6 @@
-"""Measurement pieces for ``tools/bench.py``: presets, the matmul peak, FLOP counting and a
-wrapper that compiles and times the *real* train step (``ode_lm.training.step``).
+"""Measurement pieces for ``tools/bench.py``: the matmul peak, FLOP counting and a wrapper
+that compiles and times the *real* train step (``ode_lm.training.step``); the bench sizes
+come from ``ode_lm.bench.presets`` (``configs/models/*.gin``).
 
 Timing on a shared machine is noisy, so benches that are compared with each other are timed
 round-robin (one step of each in turn): a load spike then hits every variant alike.
@@ -8,7 +9,6 @@ round-robin (one step of each in turn): a load spike then hits every variant ali
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 import resource
 import shutil
@@ -24,59 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ode_lm import partitioning
+from ode_lm.bench.presets import CONFIGS, BenchConfig, get_config  # noqa: F401 (re-exported)
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark shape: model width/depth, batch and the hypernetwork sizes (D, S)."""
-
-    name: str
-    d_model: int
-    num_heads: int
-    num_steps: int  # ODE steps N = layers of the vanilla baseline
-    seq_len: int
-    batch_size: int
-    vocab_size: int
-    time_embed_dim: int = 20  # D
-    sinusoidal_dim: int = 16  # S
-    flavour: str = "gpt2"
-    dtype: str = "float32"
-
-    def model_config(self, architecture: str = "ode", **overrides: Any) -> ModelConfig:
-        base = ModelConfig(
-            flavour=self.flavour, architecture=architecture, vocab_size=self.vocab_size,
-            d_model=self.d_model, num_heads=self.num_heads, max_seq_len=self.seq_len,
-            num_steps=self.num_steps, num_layers=self.num_steps,
-            time_embed_dim=self.time_embed_dim, sinusoidal_dim=self.sinusoidal_dim,
-            dtype=self.dtype,
-        )
-        return base.replace(**overrides)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
-
-
-CONFIGS: dict[str, BenchConfig] = {
-    "tiny": BenchConfig("tiny", 128, 4, 4, 128, 8, 2048, 20, 16),
-    "cpu_small": BenchConfig("cpu_small", 256, 4, 6, 256, 8, 8192, 20, 64),
-    # For an accelerator (an H200: ~141 GB HBM): GPT-2-medium width, bf16.
-    "gpu_large": BenchConfig("gpu_large", 1024, 16, 12, 1024, 32, 32768, 20, 64,
-                             dtype="bfloat16"),
-}
-
-
-def get_config(name: str) -> BenchConfig:
-    if name not in CONFIGS:
-        raise ValueError(f"--config={name!r}: expected one of {sorted(CONFIGS)}")
-    return CONFIGS[name]
-
 
 # ------------------------------------------------------------------------ peak FLOP/s
 
