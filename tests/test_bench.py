@@ -64,10 +64,37 @@ def test_configs_match_the_issue():
     assert (small.d_model, small.num_heads, small.num_steps, small.seq_len, small.batch_size,
             small.vocab_size, small.time_embed_dim, small.sinusoidal_dim) == (
                 256, 4, 6, 256, 8, 8192, 20, 64)
+    large = bu.get_config("gpu_large")
+    assert (large.d_model, large.num_heads, large.num_steps, large.seq_len, large.batch_size,
+            large.vocab_size, large.sinusoidal_dim, large.dtype) == (
+                1024, 16, 12, 1024, 32, 32768, 64, "bfloat16")
     vanilla = small.model_config("parallel")
     assert vanilla.num_layers == small.num_steps and vanilla.architecture == "parallel"
     with pytest.raises(ValueError, match="--config='huge'"):
         bu.get_config("huge")
+
+
+def test_presets_are_read_from_the_model_gin_files(tmp_path):
+    """One source per size: a preset is its configs/models gin file (macros resolved, every
+    ModelConfig binding kept), not a copy of it."""
+    from ode_lm.bench import presets
+
+    (tmp_path / "mini.gin").write_text(
+        "WIDTH = 48\nBATCH_SIZE = 2\ntrain.model = @ModelConfig()\n"
+        "ModelConfig.architecture = 'ode'\nModelConfig.d_model = %WIDTH\n"
+        "ModelConfig.num_heads = 3\nModelConfig.num_steps = 5\nModelConfig.mlp_dim = 96\n"
+        "ModelConfig.max_seq_len = 16\nModelConfig.vocab_size = 256\n")
+    mini = presets.load_preset("mini", tmp_path)
+    assert (mini.d_model, mini.num_heads, mini.num_steps, mini.seq_len, mini.batch_size,
+            mini.vocab_size) == (48, 3, 5, 16, 2, 256)
+    assert mini.model_config("parallel").mlp_dim == 96  # a binding without a preset field
+    macros, bindings = presets.read_model_gin(presets.MODELS_DIR / "cpu_small.gin")
+    small = bu.get_config("cpu_small")
+    assert (bindings["d_model"], bindings["sinusoidal_dim"], macros["BATCH_SIZE"]) == (
+        small.d_model, small.sinusoidal_dim, small.batch_size)
+    (tmp_path / "nobatch.gin").write_text("ModelConfig.d_model = 8\n")
+    with pytest.raises(ValueError, match="no BATCH_SIZE macro"):
+        presets.load_preset("nobatch", tmp_path)
 
 
 def test_targets_arithmetic(bench_cli):

@@ -297,7 +297,7 @@ class Trainer:
                         consume(*pending, dispatched=step + 1)
                     step += 1
                     pending = (step, outputs)
-                    if step % self.checkpointer.config.save_every == 0:
+                    if self.checkpointer.should_save(step):
                         # the save waits for this step's state anyway: log it first, so a
                         # crash after the checkpoint leaves no gap in metrics.jsonl
                         consume(*pending, dispatched=step)
