@@ -104,9 +104,12 @@ def test_targets_arithmetic(bench_cli):
     ode = {"step_s": 1.3, "cpu_s": 2.1, "mfu_vs_matmul_peak": 0.55, "mfu_cpu_time": 0.45,
            "params": 1500, "compiled_peak_bytes": 18_000,
            "relative_step_time": 1.2, "relative_cpu_time": 1.05}
-    ckpt = [{"variant": "no saves", "tokens_per_s": 100.0, "cpu_s": 2.0},
-            {"variant": "async save every 10", "tokens_per_s": 99.0, "cpu_s": 2.0},
-            {"variant": "async save every step", "tokens_per_s": 85.0, "cpu_s": 2.1}]
+    ckpt = [{"variant": "no saves", "relative_step_time": 1.0, "relative_cpu_time": 1.0},
+            {"variant": "async save every 10", "relative_step_time": 1.01,
+             "relative_cpu_time": 1.0},
+            {"variant": "async save every step", "relative_step_time": 1 / 0.85,
+             "relative_cpu_time": 2.1 / 2.0, "save_blocked_ms": 60.0,
+             "save_blocked_fraction_of_step": 0.06}]
     t = bench_cli._targets({"compare": [vanilla, ode], "checkpoint": ckpt})
     # the target uses the paired (per-round) ratio; the ratio of medians is kept beside it
     assert t["ode_vanilla_step_ratio"]["value"] == pytest.approx(1.2)
@@ -124,6 +127,37 @@ def test_targets_arithmetic(bench_cli):
     assert t["ckpt_every_step_throughput_kept"]["met"] is False
     assert t["ckpt_every_step_throughput_kept"]["value_cpu_time"] == pytest.approx(2.0 / 2.1)
     assert t["ckpt_every_10_throughput_kept"]["met"] is None  # reported, no target
+    assert t["ckpt_blocked_fraction_of_step"]["value"] == pytest.approx(0.06)
+    assert t["ckpt_blocked_fraction_of_step"]["met"] is False  # limit 5 % of a step
+    assert t["ckpt_blocked_fraction_of_step"]["blocked_ms"] == 60.0
+
+
+def test_checkpoint_blocks_pay_their_own_saves_and_pair_by_round():
+    """time_in_blocks charges the wait for a block's last save to that block, and
+    paired_block_ratio compares blocks of the same round (drift divided out)."""
+
+    class Fake:
+        def __init__(self, wall):
+            self.wall, self.checkpointer = wall, self
+
+        def step(self):
+            return (self.wall, self.wall)
+
+        def wait(self):  # a pending save: 50 ms of real waiting
+            import time
+
+            time.sleep(0.05)
+
+    plain, saving = Fake(1.0), Fake(1.0)
+    plain.checkpointer = None
+    times = bu.time_in_blocks([plain, saving], steps=2, warmup=1, rounds=2)
+    assert [w for w, _ in times[0]] == [1.0] * 4
+    assert [w for w, _ in times[1]][::2] == [1.0, 1.0]  # first step of each block
+    assert all(w >= 1.05 for w, _ in times[1][1::2])  # the wait lands on the last step
+    # the host is 2x slower in round 2; the saving bench costs 1.1x in both rounds
+    ref = [(1.0,), (1.0,), (2.0,), (2.0,)]
+    other = [(1.1,), (1.1,), (2.2,), (2.2,)]
+    assert bu.paired_block_ratio(other, ref, 2) == pytest.approx(1.1)
 
 
 def test_paired_ratio_divides_out_drift():
@@ -148,6 +182,7 @@ def test_paired_ratio_divides_out_drift():
     (["--sections", "compare,nope"], "--sections='compare,nope'"),
     (["--platform", "quantum"], "--platform='quantum'"),
     (["--json", "/no/such/dir/out.json"], "--json='/no/such/dir/out.json'"),
+    (["--checkpoint-rounds", "0"], "--checkpoint-rounds=0"),
 ])
 def test_bad_flags_name_the_flag(bench_cli, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -166,6 +201,7 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(repo_root / "tools" / "bench.py"), "--config", "tiny",
          "--steps", "2", "--warmup", "1", "--sections", "compare,checkpoint",
+         "--checkpoint-rounds", "1",
          "--matmul-size", "512", "--checkpoint-dir", str(tmp_path), "--json", str(out)],
         cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
     )
@@ -193,6 +229,10 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
     rows = {r["variant"]: r for r in result["groups"]["checkpoint"]}
     assert rows["async save every step"]["saves"] == 3  # 1 warm-up + 2 timed steps
     assert rows["async save every 10"]["saves"] == 0
+    every = rows["async save every step"]
+    assert 0 < every["save_blocked_ms"] <= every["save_blocked_ms_max"]
+    assert every["save_blocked_fraction_of_step"] == pytest.approx(
+        every["save_blocked_ms"] / 1e3 / rows["no saves"]["step_s_median"])
     assert not list(tmp_path.glob("bench_ckpt*"))  # timed checkpoints are cleaned up
 
 

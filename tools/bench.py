@@ -311,6 +311,12 @@ def format_table(results: dict) -> str:
                 f"{100 * r['mfu_vs_accelerator_peak']:>6.1f}% "
                 f"{r['compile_s']:>9.1f} {'n/a' if peak is None else f'{peak / 2**20:.1f}':>8} "
                 f"{r['params'] / 1e6:>8.2f}")
+    for r in results["groups"].get("checkpoint", []):
+        if r.get("save_blocked_ms") is not None:
+            lines.append(
+                f"checkpoint  {r['variant']:<24} loop blocked {r['save_blocked_ms']:.1f} ms per "
+                f"save (median of {r['saves']}, max {r['save_blocked_ms_max']:.1f}): "
+                f"{100 * r['save_blocked_fraction_of_step']:.1f}% of a no-save step")
     lines.append("step ms: median wall time of the timed steps (* = mean, so periodic saves "
                  "count); CPU ms: process CPU time per step (both cores; robust to other "
                  "processes' load); rel: vs the first row of the group (round-robin groups: "
