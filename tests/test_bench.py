@@ -265,12 +265,13 @@ def test_bench_checkpoint_smoke_tiny(repo_root, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["per_save"]) == {"trainer", "synchronous", "keep_all", "no_ocdbt", "zstd",
-                                       "raw"}
+    assert set(result["per_save"]) == {"trainer", "sync_dirs", "synchronous", "keep_all",
+                                       "no_ocdbt", "zstd", "snapshot", "flat", "tmpfs", "raw"}
     # the train state: params and two Adam moments, float32 (tiny: ~4.6 M params)
     assert 3 * 4 * 4e6 < result["state_bytes"] < 3 * 4 * 6e6
     for row in result["per_save"].values():
         assert row["wall_s"] > 0 and row["cpu_s"] == pytest.approx(row["user_s"] + row["sys_s"])
+        assert 0 < row["blocked_s"] <= row["wall_s"]
     assert list(tmp_path.iterdir()) == [out]  # every save directory is removed
 
 

@@ -155,6 +155,10 @@ def run_bench(args: argparse.Namespace) -> dict:
             ("no saves", ode),
             ("async save every 10", ode.sibling("ckpt10", 10, args.checkpoint_dir)),
             ("async save every step", ode.sibling("ckpt1", 1, args.checkpoint_dir)),
+            ("every step, dirs on loop", ode.sibling("ckpt1dirs", 1, args.checkpoint_dir,
+                                                     async_directories=False)),
+            *([("every step into /dev/shm", ode.sibling("ckpt1shm", 1, "/dev/shm"))]
+              if os.path.isdir("/dev/shm") else []),
         ], True))
 
     results: dict = {

@@ -220,7 +220,8 @@ class TrainBench:
         self._init_run_state(checkpoint_every, checkpoint_root)
 
     def _init_run_state(self, checkpoint_every: int | None, checkpoint_root: str | None,
-                        checkpoint_config: ckpt_lib.CheckpointConfig | None = None):
+                        checkpoint_config: ckpt_lib.CheckpointConfig | None = None,
+                        async_directories: bool = True):
         self.steps_done = 0
         self.saves = 0
         self.save_blocked_s: list[float] = []  # time each save() that saved held the loop
@@ -232,18 +233,21 @@ class TrainBench:
             self._ckpt_dir = tempfile.mkdtemp(prefix=f"bench_{self.label}_", dir=checkpoint_root)
             config = checkpoint_config or ckpt_lib.CheckpointConfig()
             self.checkpointer = ckpt_lib.Checkpointer(self._ckpt_dir, dataclasses.replace(
-                config, save_every=checkpoint_every, max_to_keep=2, async_save=True))
+                config, save_every=checkpoint_every, max_to_keep=2, async_save=True),
+                async_directories=async_directories)
 
     def sibling(self, label: str, checkpoint_every: int | None = None,
                 checkpoint_root: str | None = None,
-                checkpoint_config: ckpt_lib.CheckpointConfig | None = None) -> TrainBench:
+                checkpoint_config: ckpt_lib.CheckpointConfig | None = None,
+                async_directories: bool = True) -> TrainBench:
         """The same compiled step with its own fresh state (and checkpoint policy; the
         trainer's ``CheckpointConfig`` unless given, async, keep 2)."""
         other = copy.copy(self)
         other.label = label
         # A copy (not a re-init, which would compile the init again) in fresh buffers.
         other.state = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), self.state)
-        other._init_run_state(checkpoint_every, checkpoint_root, checkpoint_config)
+        other._init_run_state(checkpoint_every, checkpoint_root, checkpoint_config,
+                              async_directories)
         return other
 
     def step(self) -> tuple[float, float]:

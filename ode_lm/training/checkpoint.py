@@ -82,7 +82,10 @@ def _is_grain_iterator(it: Any) -> bool:
 class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` with items ('state', 'data')."""
 
-    def __init__(self, model_dir: str, config: CheckpointConfig = CheckpointConfig()):
+    def __init__(self, model_dir: str, config: CheckpointConfig = CheckpointConfig(), *,
+                 async_directories: bool = True):
+        """``async_directories``: orbax creates each step's directories in its background
+        thread, off the train loop (``tools/bench_checkpoint.py`` compares both)."""
         self.config = config
         self.directory = epath.Path(model_dir) / CHECKPOINT_SUBDIR
         options = ocp.CheckpointManagerOptions(
@@ -97,6 +100,8 @@ class Checkpointer:
             max_to_keep=config.max_to_keep,
             keep_period=config.keep_period,
             enable_async_checkpointing=config.async_save,
+            async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=async_directories and config.async_save),
             create=False,  # made by the first save: building a Checkpointer writes nothing
             cleanup_tmp_directories=True,  # leftovers of a save cut short by a kill
         )
