@@ -203,7 +203,7 @@ def run_bench(args: argparse.Namespace) -> dict:
             else:
                 row["relative_step_time"] = bu.paired_ratio(t, times[0], 0)
                 row["relative_cpu_time"] = bu.paired_ratio(t, times[0], 1)
-            if "save_blocked_ms" in row:
+            if row.get("save_blocked_ms") is not None:
                 row["save_blocked_fraction_of_step"] = (
                     row["save_blocked_ms"] / 1e3 / rows[0]["step_s_median"])
         results["groups"][group] = rows
