@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ode_lm import bench_utils as bu
+from ode_lm.bench import train_bench as bu
 
 
 def load_tool(repo_root, name: str):
@@ -64,10 +64,37 @@ def test_configs_match_the_issue():
     assert (small.d_model, small.num_heads, small.num_steps, small.seq_len, small.batch_size,
             small.vocab_size, small.time_embed_dim, small.sinusoidal_dim) == (
                 256, 4, 6, 256, 8, 8192, 20, 64)
+    large = bu.get_config("gpu_large")
+    assert (large.d_model, large.num_heads, large.num_steps, large.seq_len, large.batch_size,
+            large.vocab_size, large.sinusoidal_dim, large.dtype) == (
+                1024, 16, 12, 1024, 32, 32768, 64, "bfloat16")
     vanilla = small.model_config("parallel")
     assert vanilla.num_layers == small.num_steps and vanilla.architecture == "parallel"
     with pytest.raises(ValueError, match="--config='huge'"):
         bu.get_config("huge")
+
+
+def test_presets_are_read_from_the_model_gin_files(tmp_path):
+    """One source per size: a preset is its configs/models gin file (macros resolved, every
+    ModelConfig binding kept), not a copy of it."""
+    from ode_lm.bench import presets
+
+    (tmp_path / "mini.gin").write_text(
+        "WIDTH = 48\nBATCH_SIZE = 2\ntrain.model = @ModelConfig()\n"
+        "ModelConfig.architecture = 'ode'\nModelConfig.d_model = %WIDTH\n"
+        "ModelConfig.num_heads = 3\nModelConfig.num_steps = 5\nModelConfig.mlp_dim = 96\n"
+        "ModelConfig.max_seq_len = 16\nModelConfig.vocab_size = 256\n")
+    mini = presets.load_preset("mini", tmp_path)
+    assert (mini.d_model, mini.num_heads, mini.num_steps, mini.seq_len, mini.batch_size,
+            mini.vocab_size) == (48, 3, 5, 16, 2, 256)
+    assert mini.model_config("parallel").mlp_dim == 96  # a binding without a preset field
+    macros, bindings = presets.read_model_gin(presets.MODELS_DIR / "cpu_small.gin")
+    small = bu.get_config("cpu_small")
+    assert (bindings["d_model"], bindings["sinusoidal_dim"], macros["BATCH_SIZE"]) == (
+        small.d_model, small.sinusoidal_dim, small.batch_size)
+    (tmp_path / "nobatch.gin").write_text("ModelConfig.d_model = 8\n")
+    with pytest.raises(ValueError, match="no BATCH_SIZE macro"):
+        presets.load_preset("nobatch", tmp_path)
 
 
 def test_targets_arithmetic(bench_cli):
@@ -77,9 +104,12 @@ def test_targets_arithmetic(bench_cli):
     ode = {"step_s": 1.3, "cpu_s": 2.1, "mfu_vs_matmul_peak": 0.55, "mfu_cpu_time": 0.45,
            "params": 1500, "compiled_peak_bytes": 18_000,
            "relative_step_time": 1.2, "relative_cpu_time": 1.05}
-    ckpt = [{"variant": "no saves", "tokens_per_s": 100.0, "cpu_s": 2.0},
-            {"variant": "async save every 10", "tokens_per_s": 99.0, "cpu_s": 2.0},
-            {"variant": "async save every step", "tokens_per_s": 85.0, "cpu_s": 2.1}]
+    ckpt = [{"variant": "no saves", "relative_step_time": 1.0, "relative_cpu_time": 1.0},
+            {"variant": "async save every 10", "relative_step_time": 1.01,
+             "relative_cpu_time": 1.0},
+            {"variant": "async save every step", "relative_step_time": 1 / 0.85,
+             "relative_cpu_time": 2.1 / 2.0, "save_blocked_ms": 60.0,
+             "save_blocked_fraction_of_step": 0.06}]
     t = bench_cli._targets({"compare": [vanilla, ode], "checkpoint": ckpt})
     # the target uses the paired (per-round) ratio; the ratio of medians is kept beside it
     assert t["ode_vanilla_step_ratio"]["value"] == pytest.approx(1.2)
@@ -97,6 +127,37 @@ def test_targets_arithmetic(bench_cli):
     assert t["ckpt_every_step_throughput_kept"]["met"] is False
     assert t["ckpt_every_step_throughput_kept"]["value_cpu_time"] == pytest.approx(2.0 / 2.1)
     assert t["ckpt_every_10_throughput_kept"]["met"] is None  # reported, no target
+    assert t["ckpt_blocked_fraction_of_step"]["value"] == pytest.approx(0.06)
+    assert t["ckpt_blocked_fraction_of_step"]["met"] is False  # limit 5 % of a step
+    assert t["ckpt_blocked_fraction_of_step"]["blocked_ms"] == 60.0
+
+
+def test_checkpoint_blocks_pay_their_own_saves_and_pair_by_round():
+    """time_in_blocks charges the wait for a block's last save to that block, and
+    paired_block_ratio compares blocks of the same round (drift divided out)."""
+
+    class Fake:
+        def __init__(self, wall):
+            self.wall, self.checkpointer = wall, self
+
+        def step(self):
+            return (self.wall, self.wall)
+
+        def wait(self):  # a pending save: 50 ms of real waiting
+            import time
+
+            time.sleep(0.05)
+
+    plain, saving = Fake(1.0), Fake(1.0)
+    plain.checkpointer = None
+    times = bu.time_in_blocks([plain, saving], steps=2, warmup=1, rounds=2)
+    assert [w for w, _ in times[0]] == [1.0] * 4
+    assert [w for w, _ in times[1]][::2] == [1.0, 1.0]  # first step of each block
+    assert all(w >= 1.05 for w, _ in times[1][1::2])  # the wait lands on the last step
+    # the host is 2x slower in round 2; the saving bench costs 1.1x in both rounds
+    ref = [(1.0,), (1.0,), (2.0,), (2.0,)]
+    other = [(1.1,), (1.1,), (2.2,), (2.2,)]
+    assert bu.paired_block_ratio(other, ref, 2) == pytest.approx(1.1)
 
 
 def test_paired_ratio_divides_out_drift():
@@ -121,6 +182,7 @@ def test_paired_ratio_divides_out_drift():
     (["--sections", "compare,nope"], "--sections='compare,nope'"),
     (["--platform", "quantum"], "--platform='quantum'"),
     (["--json", "/no/such/dir/out.json"], "--json='/no/such/dir/out.json'"),
+    (["--checkpoint-rounds", "0"], "--checkpoint-rounds=0"),
 ])
 def test_bad_flags_name_the_flag(bench_cli, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -139,6 +201,7 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(repo_root / "tools" / "bench.py"), "--config", "tiny",
          "--steps", "2", "--warmup", "1", "--sections", "compare,checkpoint",
+         "--checkpoint-rounds", "1",
          "--matmul-size", "512", "--checkpoint-dir", str(tmp_path), "--json", str(out)],
         cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
     )
@@ -166,6 +229,10 @@ def test_bench_smoke_tiny(repo_root, tmp_path):
     rows = {r["variant"]: r for r in result["groups"]["checkpoint"]}
     assert rows["async save every step"]["saves"] == 3  # 1 warm-up + 2 timed steps
     assert rows["async save every 10"]["saves"] == 0
+    every = rows["async save every step"]
+    assert 0 < every["save_blocked_ms"] <= every["save_blocked_ms_max"]
+    assert every["save_blocked_fraction_of_step"] == pytest.approx(
+        every["save_blocked_ms"] / 1e3 / rows["no saves"]["step_s_median"])
     assert not list(tmp_path.glob("bench_ckpt*"))  # timed checkpoints are cleaned up
 
 
@@ -198,12 +265,13 @@ def test_bench_checkpoint_smoke_tiny(repo_root, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["per_save"]) == {"trainer", "synchronous", "keep_all", "no_ocdbt", "zstd",
-                                       "raw"}
+    assert set(result["per_save"]) == {"trainer", "sync_dirs", "synchronous", "keep_all",
+                                       "no_ocdbt", "zstd", "snapshot", "flat", "tmpfs", "raw"}
     # the train state: params and two Adam moments, float32 (tiny: ~4.6 M params)
     assert 3 * 4 * 4e6 < result["state_bytes"] < 3 * 4 * 6e6
     for row in result["per_save"].values():
         assert row["wall_s"] > 0 and row["cpu_s"] == pytest.approx(row["user_s"] + row["sys_s"])
+        assert 0 < row["blocked_s"] <= row["wall_s"]
     assert list(tmp_path.iterdir()) == [out]  # every save directory is removed
 
 

@@ -149,3 +149,20 @@ def test_saves_are_not_compressed(tmp_path):
     ckpt.close()
     files = [p for p in (tmp_path / ckpt_lib.CHECKPOINT_SUBDIR / "1").rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) >= 4 * 2**20
+
+
+@pytest.mark.parametrize("async_directories", [True, False])
+def test_orbax_decides_saves_on_the_interval_only(tmp_path, async_directories):
+    """should_save is orbax's decision: every save_every steps, never the first step of a
+    fresh run (orbax's default InitialSavePolicy is left out), never a step already saved;
+    the step directories may be made in orbax's background thread or on the caller's."""
+    ckpt = ckpt_lib.Checkpointer(str(tmp_path), ckpt_lib.CheckpointConfig(save_every=3),
+                                 async_directories=async_directories)
+    assert [s for s in range(1, 10) if ckpt.should_save(s)] == [3, 6, 9]
+    state = {"w": jax.numpy.arange(4.0)}
+    assert not ckpt.save(1, state) and ckpt.save(3, state)
+    ckpt.wait()
+    assert not ckpt.should_save(3) and ckpt.should_save(6)
+    assert not ckpt.reached_preemption(6)  # one process: no preemption service
+    ckpt.close()
+    assert ckpt_lib.Checkpointer(str(tmp_path)).all_steps() == [3]

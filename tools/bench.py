@@ -15,6 +15,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 
 from ode_lm import cli
@@ -26,6 +27,7 @@ PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 TARGET_ODE_RATIO = 1.10
 TARGET_MFU = 0.50
 TARGET_CKPT_KEEP = 0.90
+TARGET_CKPT_BLOCKED = 0.05  # of a no-save step: time save() holds the train loop (issue 16)
 TARGET_MEMORY_SLACK = 1.10
 BYTES_PER_EXTRA_PARAM = 4 * 4  # params, grads, two Adam moments; float32
 
@@ -43,11 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-flops", type=float, default=None,
                    help="accelerator peak FLOP/s of the whole mesh (default: trainer's table)")
     p.add_argument("--checkpoint-dir", default=None, help="where the timed saves go (a tmp dir)")
+    p.add_argument("--checkpoint-rounds", type=int, default=3,
+                   help="checkpoint group: rounds of --steps steps per bench, in turn (>= 1)")
     args = p.parse_args(argv)
     _validate(p, args)
     if args.platform != "auto":  # before jax is imported
         os.environ["JAX_PLATFORMS"] = args.platform
-    from ode_lm.bench_utils import CONFIGS
+    from ode_lm.bench.presets import CONFIGS
 
     if args.config not in CONFIGS:
         p.error(f"--config={args.config!r}: expected one of {sorted(CONFIGS)}")
@@ -71,6 +75,8 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             p.error(f"--json={args.json!r}: directory {parent} does not exist")
+    if args.checkpoint_rounds < 1:
+        p.error(f"--checkpoint-rounds={args.checkpoint_rounds}: must be >= 1")
     if args.checkpoint_dir and not os.path.isdir(args.checkpoint_dir):
         p.error(f"--checkpoint-dir={args.checkpoint_dir!r} is not a directory")
     if args.peak_flops is not None and args.peak_flops <= 0:
@@ -83,7 +89,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     """Build, compile and time every requested bench; print the table; return the figures."""
     import jax
 
-    from ode_lm import bench_utils as bu
+    from ode_lm.bench import train_bench as bu
     from ode_lm.models.lm import precompute_weights
 
     cfg = bu.get_config(args.config)
@@ -149,6 +155,10 @@ def run_bench(args: argparse.Namespace) -> dict:
             ("no saves", ode),
             ("async save every 10", ode.sibling("ckpt10", 10, args.checkpoint_dir)),
             ("async save every step", ode.sibling("ckpt1", 1, args.checkpoint_dir)),
+            ("every step, dirs on loop", ode.sibling("ckpt1dirs", 1, args.checkpoint_dir,
+                                                     async_directories=False)),
+            *([("every step into /dev/shm", ode.sibling("ckpt1shm", 1, "/dev/shm"))]
+              if os.path.isdir("/dev/shm") else []),
         ], True))
 
     results: dict = {
@@ -167,8 +177,11 @@ def run_bench(args: argparse.Namespace) -> dict:
         "groups": {},
     }
     for group, members, use_mean in plan:
-        timer = bu.time_in_blocks if group == "checkpoint" else bu.time_round_robin
-        times = timer([b for _, b in members], args.steps, args.warmup)
+        benches = [b for _, b in members]
+        if group == "checkpoint":
+            times = bu.time_in_blocks(benches, args.steps, args.warmup, args.checkpoint_rounds)
+        else:
+            times = bu.time_round_robin(benches, args.steps, args.warmup)
         rows = []
         for (label, b), t in zip(members, times, strict=True):
             row = b.summary(t, mm_peak, acc_peak, use_mean=use_mean)
@@ -176,17 +189,23 @@ def run_bench(args: argparse.Namespace) -> dict:
             if b.checkpointer is not None:
                 row["checkpoint_every"] = b.checkpoint_every
                 row["saves"] = b.saves
+                row.update(_blocked(b.save_blocked_s))
                 row["final_save_wait_s"] = b.close()
             rows.append(row)
         for row, t in zip(rows, times, strict=True):
-            if timer is bu.time_round_robin:
-                # Paired: the median over rounds of this step / the first bench's step of the
-                # same round, so load that drifts over the run cancels.
+            # Paired: the median over rounds of this bench's step (round-robin) or block
+            # (checkpoint group) over the first bench's of the same round, so load that
+            # drifts over the run cancels.
+            if group == "checkpoint":
+                row["relative_step_time"] = bu.paired_block_ratio(t, times[0], args.steps, 0)
+                row["relative_cpu_time"] = bu.paired_block_ratio(t, times[0], args.steps, 1)
+                row["rounds"] = args.checkpoint_rounds
+            else:
                 row["relative_step_time"] = bu.paired_ratio(t, times[0], 0)
                 row["relative_cpu_time"] = bu.paired_ratio(t, times[0], 1)
-            else:
-                row["relative_step_time"] = row["step_s"] / rows[0]["step_s"]
-                row["relative_cpu_time"] = row["cpu_s"] / rows[0]["cpu_s"]
+            if row.get("save_blocked_ms") is not None:
+                row["save_blocked_fraction_of_step"] = (
+                    row["save_blocked_ms"] / 1e3 / rows[0]["step_s_median"])
         results["groups"][group] = rows
     # The peak is a best-of: measure again after the timed steps (load on a shared host
     # changes during a run) and keep the higher rate; MFU figures use the final peak.
@@ -213,6 +232,14 @@ def run_bench(args: argparse.Namespace) -> dict:
             json.dump(results, f, indent=2, default=_json_default)
         print(f"wrote {args.json}")
     return results
+
+
+def _blocked(blocked_s: list[float]) -> dict:
+    """How long the train loop was held per save: median and max (ms) over the saves."""
+    if not blocked_s:
+        return {"save_blocked_ms": None, "save_blocked_ms_max": None}
+    return {"save_blocked_ms": 1e3 * statistics.median(blocked_s),
+            "save_blocked_ms_max": 1e3 * max(blocked_s)}
 
 
 def _load() -> str:
@@ -244,12 +271,17 @@ def _targets(groups: dict) -> dict:
             out["ode_peak_memory_bytes"]["extra_params"] = extra
     if "checkpoint" in groups:
         rows = {r["variant"]: r for r in groups["checkpoint"]}
-        base = rows["no saves"]
         for label, key in (("async save every step", "ckpt_every_step_throughput_kept"),
                            ("async save every 10", "ckpt_every_10_throughput_kept")):
             target = TARGET_CKPT_KEEP if "step" in label else None
-            out[key] = _target(rows[label]["tokens_per_s"] / base["tokens_per_s"], target, ">=",
-                               base["cpu_s"] / rows[label]["cpu_s"])
+            # paired per round (relative_*: this bench's block over the no-save block)
+            out[key] = _target(1 / rows[label]["relative_step_time"], target, ">=",
+                               1 / rows[label]["relative_cpu_time"])
+        every = rows["async save every step"]
+        if every.get("save_blocked_fraction_of_step") is not None:
+            out["ckpt_blocked_fraction_of_step"] = _target(
+                every["save_blocked_fraction_of_step"], TARGET_CKPT_BLOCKED, "<=")
+            out["ckpt_blocked_fraction_of_step"]["blocked_ms"] = every["save_blocked_ms"]
     return out
 
 
@@ -283,6 +315,12 @@ def format_table(results: dict) -> str:
                 f"{100 * r['mfu_vs_accelerator_peak']:>6.1f}% "
                 f"{r['compile_s']:>9.1f} {'n/a' if peak is None else f'{peak / 2**20:.1f}':>8} "
                 f"{r['params'] / 1e6:>8.2f}")
+    for r in results["groups"].get("checkpoint", []):
+        if r.get("save_blocked_ms") is not None:
+            lines.append(
+                f"checkpoint  {r['variant']:<24} loop blocked {r['save_blocked_ms']:.1f} ms per "
+                f"save (median of {r['saves']}, max {r['save_blocked_ms_max']:.1f}): "
+                f"{100 * r['save_blocked_fraction_of_step']:.1f}% of a no-save step")
     lines.append("step ms: median wall time of the timed steps (* = mean, so periodic saves "
                  "count); CPU ms: process CPU time per step (both cores; robust to other "
                  "processes' load); rel: vs the first row of the group (round-robin groups: "
@@ -301,6 +339,7 @@ def format_table(results: dict) -> str:
         "ode_peak_memory_bytes": "ODE peak memory (bytes)",
         "ckpt_every_step_throughput_kept": "throughput kept, save every step",
         "ckpt_every_10_throughput_kept": "throughput kept, save every 10",
+        "ckpt_blocked_fraction_of_step": "loop blocked per save / step",
     }
     lines.append("targets (set for cpu_small on the 2-core CPU):")
     for key, t in results["targets"].items():

@@ -25,13 +25,18 @@ from typing import Any
 
 from ode_lm import cli
 
-VARIANTS = ("trainer", "synchronous", "keep_all", "no_ocdbt", "zstd", "raw")
+VARIANTS = ("trainer", "sync_dirs", "synchronous", "keep_all", "no_ocdbt", "zstd", "snapshot",
+            "flat", "tmpfs", "raw")
 DESCRIPTIONS = {
-    "trainer": "trainer Checkpointer: async, OCDBT, no compression, keep 2",
+    "trainer": "trainer Checkpointer: async (directories too), OCDBT, no compression, keep 2",
+    "sync_dirs": "same, step directories made on the loop (the path before issue 16)",
     "synchronous": "same, enable_async_checkpointing=False",
     "keep_all": "same, max_to_keep=None (no deletions)",
     "no_ocdbt": "same handler with use_ocdbt=False",
     "zstd": "same handler with use_compression=True (orbax default)",
+    "snapshot": "trainer, saving a jitted on-device copy (the step may donate at once)",
+    "flat": "fewer, larger arrays: the float32 leaves as one vector (+ 6 int leaves)",
+    "tmpfs": "trainer into /dev/shm (RAM: the local tier of multi-tier checkpointing)",
     "raw": "bare host copy + raw file write (lower bound)",
 }
 
@@ -51,43 +56,57 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--variants: unknown {unknown[0]!r} (choose from {', '.join(VARIANTS)})")
     if args.saves < 1 or args.rounds < 1:
         p.error(f"--saves={args.saves} / --rounds={args.rounds}: must be >= 1")
+    if "tmpfs" in args.variants and not os.path.isdir("/dev/shm"):
+        p.error("--variants: tmpfs needs /dev/shm, which this host lacks")
     if args.dir and not os.path.isdir(args.dir):
         p.error(f"--dir={args.dir!r} is not a directory")
     return args
 
 
-def _orbax_saver(directory: str, variant: str) -> tuple[Callable[[int, Any], None], Callable]:
-    """(save(step, state) then wait, close) for one orbax variant."""
+Saver = tuple[Callable[[int, Any], None], Callable[[], None], Callable[[], None]]
+
+
+def _orbax_saver(directory: str, variant: str) -> Saver:
+    """(save(step, state): returns when the caller may go on, wait, close) of a variant."""
+    import jax
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
     from ode_lm.training import checkpoint as ckpt_lib
 
-    if variant in ("trainer", "synchronous", "keep_all"):
+    if variant in ("trainer", "sync_dirs", "synchronous", "keep_all", "snapshot", "tmpfs"):
         config = ckpt_lib.CheckpointConfig(
             save_every=1, max_to_keep=None if variant == "keep_all" else 2,
             async_save=variant != "synchronous")
-        ckpt = ckpt_lib.Checkpointer(directory, config)
+        ckpt = ckpt_lib.Checkpointer(directory, config, async_directories=variant != "sync_dirs")
+        copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 
         def save(step, state):
-            ckpt.save(step, state, force=True)
-            ckpt.wait()
+            ckpt.save(step, copy(state) if variant == "snapshot" else state, force=True)
 
-        return save, ckpt.close
+        return save, ckpt.wait, ckpt.close
     handler = ocp.PyTreeCheckpointHandler(
         use_compression=variant == "zstd", use_ocdbt=variant != "no_ocdbt")
     manager = ocp.CheckpointManager(
         directory, options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True),
         item_handlers={"state": handler})
 
+    @jax.jit
+    def flatten(tree):
+        leaves = jax.tree.leaves(tree)
+        return {"float32": jnp.concatenate([x.reshape(-1) for x in leaves
+                                            if x.dtype == jnp.float32]),
+                "other": [x for x in leaves if x.dtype != jnp.float32]}
+
     def save(step, state):
-        manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state)),
+        tree = flatten(state) if variant == "flat" else state
+        manager.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(tree)),
                      force=True)
-        manager.wait_until_finished()
 
-    return save, manager.close
+    return save, manager.wait_until_finished, manager.close
 
 
-def _raw_saver(directory: str) -> tuple[Callable[[int, Any], None], Callable]:
+def _raw_saver(directory: str) -> Saver:
     """Copy every leaf to host memory and write its bytes to one file per leaf."""
     import jax
     import numpy as np
@@ -103,33 +122,42 @@ def _raw_saver(directory: str) -> tuple[Callable[[int, Any], None], Callable]:
         if os.path.isdir(old):
             shutil.rmtree(old)
 
-    return save, lambda: None
+    return save, lambda: None, lambda: None
 
 
 def measure(state: Any, variant: str, saves: int, root: str | None) -> dict[str, float]:
-    """Per save (median over ``saves`` after one untimed save): wall, user, sys seconds."""
+    """Per save (median over ``saves`` after one untimed save): blocked (the save call
+    alone: what holds a train loop), wall (until written), user and sys CPU seconds."""
+    if variant == "tmpfs":
+        root = "/dev/shm"
     directory = tempfile.mkdtemp(prefix=f"bench_ckpt_{variant}_", dir=root)
-    save, close = _raw_saver(directory) if variant == "raw" else _orbax_saver(directory, variant)
+    save, wait, close = (_raw_saver(directory) if variant == "raw"
+                         else _orbax_saver(directory, variant))
     rows = []
     try:
         save(0, state)
+        wait()
         for step in range(1, saves + 1):
             r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             save(step, state)
+            t_blocked = time.perf_counter()
+            wait()
             r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            rows.append((t1 - t0, r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+            rows.append((t_blocked - t0, t1 - t0, r1.ru_utime - r0.ru_utime,
+                         r1.ru_stime - r0.ru_stime))
     finally:
         close()
         shutil.rmtree(directory, ignore_errors=True)
-    wall, user, system = (statistics.median(r[i] for r in rows) for i in range(3))
-    return {"wall_s": wall, "user_s": user, "sys_s": system, "cpu_s": user + system}
+    blocked, wall, user, system = (statistics.median(r[i] for r in rows) for i in range(4))
+    return {"blocked_s": blocked, "wall_s": wall, "user_s": user, "sys_s": system,
+            "cpu_s": user + system}
 
 
 def build_state(config_name: str):
     """The bench config's initialised train state (params + AdamW moments) on this host."""
     import jax
 
-    from ode_lm import bench_utils as bu
+    from ode_lm.bench import train_bench as bu
     from ode_lm.training import state as state_lib
 
     model_config = bu.get_config(config_name).model_config("ode")
@@ -152,10 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             per_round[variant].append(measure(state, variant, args.saves, args.dir))
     results = {v: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
                for v, rows in per_round.items()}
-    print(f"\n{'variant':<12} {'wall ms':>8} {'user ms':>8} {'sys ms':>8} {'CPU ms':>8}  what")
+    print(f"\n{'variant':<12} {'blocked':>8} {'wall ms':>8} {'user ms':>8} {'sys ms':>8} "
+          f"{'CPU ms':>8}  what")
     for v, r in results.items():
-        print(f"{v:<12} {r['wall_s'] * 1e3:8.0f} {r['user_s'] * 1e3:8.0f} "
-              f"{r['sys_s'] * 1e3:8.0f} {r['cpu_s'] * 1e3:8.0f}  {DESCRIPTIONS[v]}")
+        print(f"{v:<12} {r['blocked_s'] * 1e3:8.0f} {r['wall_s'] * 1e3:8.0f} "
+              f"{r['user_s'] * 1e3:8.0f} {r['sys_s'] * 1e3:8.0f} {r['cpu_s'] * 1e3:8.0f}  "
+              f"{DESCRIPTIONS[v]}")
+    print(f"load average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": args.config, "state_bytes": nbytes, "per_save": results,

@@ -1,7 +1,7 @@
 """Where a train step's time goes: trace the bench's compiled step and rank its XLA ops.
 
 The evidence behind the bench targets (``tools/bench.py``). It builds the same train step
-as the bench (``ode_lm.bench_utils.TrainBench``), runs ``--steps`` steps under
+as the bench (``ode_lm.bench.train_bench.TrainBench``), runs ``--steps`` steps under
 ``jax.profiler``, and sums each XLA op's time per step from the trace, grouped by what the
 op belongs to (its ``op_name`` metadata in the compiled HLO):
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from ode_lm import bench_utils as bu
+    from ode_lm.bench import train_bench as bu
 
     cfg = bu.get_config(args.config)
     overrides = {}

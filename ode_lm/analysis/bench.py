@@ -14,10 +14,6 @@ import time
 
 import numpy as np
 
-# configs/models/cpu_small.gin
-CPU_SMALL = dict(architecture="ode", flavour="gpt2", d_model=256, num_heads=4, num_steps=6,
-                 time_embed_dim=20, sinusoidal_dim=64, vocab_size=8192, max_seq_len=256)
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -29,9 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
     from ode_lm.analysis import model_access
-    from ode_lm.models import ModelConfig, build_model
+    from ode_lm.bench.presets import get_config
+    from ode_lm.models import build_model
 
-    config = ModelConfig(**CPU_SMALL)
+    config = get_config("cpu_small").model_config("ode")  # configs/models/cpu_small.gin
     model = build_model(config, nnx.Rngs(0))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, args.num_tokens)
     print(f"cpu_small: width {config.d_model}, {config.num_heads} heads, {config.num_steps} "

@@ -80,13 +80,26 @@ def _is_grain_iterator(it: Any) -> bool:
 class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` with items ('state', 'data')."""
 
-    def __init__(self, model_dir: str, config: CheckpointConfig = CheckpointConfig()):
+    def __init__(self, model_dir: str, config: CheckpointConfig = CheckpointConfig(), *,
+                 async_directories: bool = True):
+        """``async_directories``: orbax creates each step's directories in its background
+        thread, off the train loop (``tools/bench_checkpoint.py`` compares both)."""
         self.config = config
         self.directory = epath.Path(model_dir) / CHECKPOINT_SUBDIR
         options = ocp.CheckpointManagerOptions(
+            # orbax decides when to save (``should_save``): every ``save_every`` steps and at
+            # a pod's preemption sync point. Its default policy would also save the first
+            # step of every fresh run (InitialSavePolicy), so the policy is spelled out.
+            save_interval_steps=config.save_every,
+            save_decision_policy=ocp.checkpoint_managers.AnySavePolicy([
+                ocp.checkpoint_managers.FixedIntervalPolicy(config.save_every),
+                ocp.checkpoint_managers.PreemptionCheckpointingPolicy(),
+            ]),
             max_to_keep=config.max_to_keep,
             keep_period=config.keep_period,
             enable_async_checkpointing=config.async_save,
+            async_options=ocp.AsyncOptions(
+                create_directories_asynchronously=async_directories and config.async_save),
             create=False,  # made by the first save: building a Checkpointer writes nothing
             cleanup_tmp_directories=True,  # leftovers of a save cut short by a kill
         )
@@ -119,7 +132,7 @@ class Checkpointer:
         stops the run at the next step, not at the next save.
         """
         self.check_for_errors()
-        if not force and step % self.config.save_every:
+        if not force and not self.should_save(step):
             return False
         self._set_aside_damaged()
         if step in self.manager.all_steps():
@@ -135,6 +148,19 @@ class Checkpointer:
             raise self._save_error(step, e) from e
         self._pending = step if self.config.async_save else None
         return True
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``save(step)`` writes: orbax's decision (``manager.should_save``: on the
+        interval, or a pod's preemption sync point, and after the latest saved step)."""
+        if self._damaged and step <= max(self._damaged):
+            # orbax never saves at or below its latest step, and that is a damaged one this
+            # run redoes (save() sets it aside first): decide on the policy's terms alone
+            return step % self.config.save_every == 0 or self.reached_preemption(step)
+        return self.manager.should_save(step)
+
+    def reached_preemption(self, step: int) -> bool:
+        """A pod's preemption sync point is at ``step`` (orbax; always False on one host)."""
+        return self.manager.reached_preemption(step)
 
     def check_for_errors(self) -> None:
         """Raise CheckpointSaveError if the last async save has failed (does not block)."""
@@ -390,14 +416,9 @@ class PreemptionWatcher:
     def should_stop(self, step: int) -> bool:
         if self._event.is_set():
             return True
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            try:
-                return bool(multihost_utils.reached_preemption_sync_point(step))
-            except RuntimeError:  # preemption service not initialised
-                return False
-        return False
+        # orbax's check of JAX's preemption sync point (the one the checkpoint manager's
+        # save decision uses; False when the preemption service is not running)
+        return jax.process_count() > 1 and ocp.multihost.reached_preemption(step)
 
 
 def tree_equal(a: Any, b: Any) -> bool:

@@ -285,7 +285,7 @@ class Trainer:
                     state, outputs = train_step(state, next(batches))
                     step += 1
                     reader.push(step, outputs)  # reads the previous step's outputs
-                    if step % self.checkpointer.config.save_every == 0:
+                    if self.checkpointer.should_save(step):
                         # the save waits for this step's state anyway: log it first, so a
                         # crash after the checkpoint leaves no gap in metrics.jsonl
                         reader.drain(dispatched=step)

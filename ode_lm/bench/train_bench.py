@@ -1,5 +1,6 @@
-"""Measurement pieces for ``tools/bench.py``: presets, the matmul peak, FLOP counting and a
-wrapper that compiles and times the *real* train step (``ode_lm.training.step``).
+"""Measurement pieces for ``tools/bench.py``: the matmul peak, FLOP counting and a wrapper
+that compiles and times the *real* train step (``ode_lm.training.step``); the bench sizes
+come from ``ode_lm.bench.presets`` (``configs/models/*.gin``).
 
 Timing on a shared machine is noisy, so benches that are compared with each other are timed
 round-robin (one step of each in turn): a load spike then hits every variant alike.
@@ -24,59 +25,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ode_lm import partitioning
+from ode_lm.bench.presets import CONFIGS, BenchConfig, get_config  # noqa: F401 (re-exported)
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark shape: model width/depth, batch and the hypernetwork sizes (D, S)."""
-
-    name: str
-    d_model: int
-    num_heads: int
-    num_steps: int  # ODE steps N = layers of the vanilla baseline
-    seq_len: int
-    batch_size: int
-    vocab_size: int
-    time_embed_dim: int = 20  # D
-    sinusoidal_dim: int = 16  # S
-    flavour: str = "gpt2"
-    dtype: str = "float32"
-
-    def model_config(self, architecture: str = "ode", **overrides: Any) -> ModelConfig:
-        base = ModelConfig(
-            flavour=self.flavour, architecture=architecture, vocab_size=self.vocab_size,
-            d_model=self.d_model, num_heads=self.num_heads, max_seq_len=self.seq_len,
-            num_steps=self.num_steps, num_layers=self.num_steps,
-            time_embed_dim=self.time_embed_dim, sinusoidal_dim=self.sinusoidal_dim,
-            dtype=self.dtype,
-        )
-        return base.replace(**overrides)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.batch_size * self.seq_len
-
-
-CONFIGS: dict[str, BenchConfig] = {
-    "tiny": BenchConfig("tiny", 128, 4, 4, 128, 8, 2048, 20, 16),
-    "cpu_small": BenchConfig("cpu_small", 256, 4, 6, 256, 8, 8192, 20, 64),
-    # For an accelerator (an H200: ~141 GB HBM): GPT-2-medium width, bf16.
-    "gpu_large": BenchConfig("gpu_large", 1024, 16, 12, 1024, 32, 32768, 20, 64,
-                             dtype="bfloat16"),
-}
-
-
-def get_config(name: str) -> BenchConfig:
-    if name not in CONFIGS:
-        raise ValueError(f"--config={name!r}: expected one of {sorted(CONFIGS)}")
-    return CONFIGS[name]
-
 
 # ------------------------------------------------------------------------ peak FLOP/s
 
@@ -264,28 +219,35 @@ class TrainBench:
         self.seed = seed
         self._init_run_state(checkpoint_every, checkpoint_root)
 
-    def _init_run_state(self, checkpoint_every: int | None, checkpoint_root: str | None):
+    def _init_run_state(self, checkpoint_every: int | None, checkpoint_root: str | None,
+                        checkpoint_config: ckpt_lib.CheckpointConfig | None = None,
+                        async_directories: bool = True):
         self.steps_done = 0
         self.saves = 0
+        self.save_blocked_s: list[float] = []  # time each save() that saved held the loop
         self.last_loss = math.nan
         self.checkpoint_every = checkpoint_every
         self._ckpt_dir = None
         self.checkpointer = None
         if checkpoint_every:
             self._ckpt_dir = tempfile.mkdtemp(prefix=f"bench_{self.label}_", dir=checkpoint_root)
-            self.checkpointer = ckpt_lib.Checkpointer(
-                self._ckpt_dir,
-                ckpt_lib.CheckpointConfig(save_every=checkpoint_every, max_to_keep=2,
-                                          async_save=True))
+            config = checkpoint_config or ckpt_lib.CheckpointConfig()
+            self.checkpointer = ckpt_lib.Checkpointer(self._ckpt_dir, dataclasses.replace(
+                config, save_every=checkpoint_every, max_to_keep=2, async_save=True),
+                async_directories=async_directories)
 
     def sibling(self, label: str, checkpoint_every: int | None = None,
-                checkpoint_root: str | None = None) -> TrainBench:
-        """The same compiled step with its own fresh state (and checkpoint policy)."""
+                checkpoint_root: str | None = None,
+                checkpoint_config: ckpt_lib.CheckpointConfig | None = None,
+                async_directories: bool = True) -> TrainBench:
+        """The same compiled step with its own fresh state (and checkpoint policy; the
+        trainer's ``CheckpointConfig`` unless given, async, keep 2)."""
         other = copy.copy(self)
         other.label = label
         # A copy (not a re-init, which would compile the init again) in fresh buffers.
         other.state = jax.tree.map(lambda x: jax.device_put(x, may_alias=False), self.state)
-        other._init_run_state(checkpoint_every, checkpoint_root)
+        other._init_run_state(checkpoint_every, checkpoint_root, checkpoint_config,
+                              async_directories)
         return other
 
     def step(self) -> tuple[float, float]:
@@ -296,7 +258,10 @@ class TrainBench:
             jax.block_until_ready((self.state, metrics))
             self.steps_done += 1
             if self.checkpointer is not None:
-                self.saves += int(self.checkpointer.save(self.steps_done, self.state))
+                s0 = time.perf_counter()  # the loop is blocked from here until save returns
+                if self.checkpointer.save(self.steps_done, self.state):
+                    self.saves += 1
+                    self.save_blocked_s.append(time.perf_counter() - s0)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
         self.last_loss = float(metrics["loss"])
         return dt, dc
@@ -350,19 +315,40 @@ class TrainBench:
         }
 
 
-def time_in_blocks(benches: Sequence[TrainBench], steps: int,
-                   warmup: int = 2) -> list[list[tuple[float, float]]]:
-    """One bench after the other, waiting for its pending saves before the next starts:
-    used for checkpointing benches, whose background writes would otherwise run during
-    (and be charged to) the other benches' steps."""
-    times: list[list[tuple[float, float]]] = []
+def time_in_blocks(benches: Sequence[TrainBench], steps: int, warmup: int = 2,
+                   rounds: int = 1) -> list[list[tuple[float, float]]]:
+    """``rounds`` rounds; in each, every bench runs ``steps`` steps in turn and then waits
+    for its pending save, whose wall and CPU time are added to its last step (so every save
+    is paid for in its own block, and never during another bench's steps). Used for
+    checkpointing benches; the blocks of one round make a pair (``paired_block_ratio``)."""
     for b in benches:
         for _ in range(warmup):
             b.step()
-        times.append([b.step() for _ in range(steps)])
         if b.checkpointer is not None:
             b.checkpointer.wait()
+    times: list[list[tuple[float, float]]] = [[] for _ in benches]
+    for _ in range(rounds):
+        for b, t in zip(benches, times, strict=True):
+            block = [b.step() for _ in range(steps)]
+            if b.checkpointer is not None:
+                w0, c0 = time.perf_counter(), time.process_time()
+                b.checkpointer.wait()
+                wall, cpu = block[-1]
+                block[-1] = (wall + time.perf_counter() - w0, cpu + time.process_time() - c0)
+            t.extend(block)
     return times
+
+
+def paired_block_ratio(times: Sequence[tuple[float, ...]],
+                       reference: Sequence[tuple[float, ...]], block: int,
+                       index: int = 0) -> float:
+    """Median over rounds of (this bench's block mean / the reference's block mean of the
+    same round): ``time_in_blocks``'s pairs, with the drift of a shared host divided out."""
+    def means(ts):
+        return [statistics.fmean(x[index] for x in ts[i:i + block])
+                for i in range(0, len(ts), block)]
+
+    return statistics.median(a / b for a, b in zip(means(times), means(reference), strict=True))
 
 
 def paired_ratio(times: Sequence[tuple[float, ...]], reference: Sequence[tuple[float, ...]],
