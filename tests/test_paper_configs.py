@@ -136,8 +136,9 @@ def test_owt_small_compiles_and_fits_at_its_per_chip_batch():
     """CI compiles one paper run, ``owt_small`` (the paper's ODE, batch 512 x 1024), on a v5p-8
     slice (4 chips) at its v5p-128 per-chip batch of 8 sequences: a stricter memory check than
     v5p-128 itself (the same activations per chip, parameters and optimizer state split 4 ways
-    rather than 64). A paper-run compile took 43-614 s on two busy CPU cores, so the other 13 are
-    compiled by ``tools/aot_paper_runs.py --small`` (its output is the README's table), not here."""
+    rather than 64). This test took 60 s on two quiet CPU cores (a paper-run compile took
+    43-614 s while they were busy), so the other 13 runs are compiled by
+    ``tools/aot_paper_runs.py --small`` (its output is the README's table), not here."""
     import os
     import subprocess
     import sys
