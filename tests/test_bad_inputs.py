@@ -131,6 +131,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     # prepare_data
     "prepare: no such source": ([*PREPARE, "--source={WORK}/nope.jsonl",
                                  "--data_dir={WORK}/data_new"], "nope.jsonl"),
+    "prepare: hf:// source that is not a dataset repo": (
+        [*PREPARE, "--source=hf://openwebtext", "--data_dir={WORK}/data_new"], "hf://openwebtext"),
     "prepare: unknown tokenizer": ([*PREPARE, "--tokenizer=nope:1",
                                     "--data_dir={WORK}/data_new"], "nope:1"),
     "prepare: holdout above 1": ([*PREPARE, "--holdout_fraction=1.5",

@@ -103,10 +103,22 @@ def test_shipped_ode_model_caches_keys_and_values(tmp_path, flavour):
     assert torch.equal(cached, uncached)
 
 
-def _no_prompt(monkeypatch):
+def _no_prompt(monkeypatch) -> list:
+    """Records every interactive question (transformers wraps ``input()`` in ``except
+    Exception``, so raising here would be swallowed): the caller asserts the list is empty."""
+    asked: list = []
+    monkeypatch.setattr(builtins, "input", lambda *a, **k: asked.append(a) or "n")
+    return asked
+
+
+def _no_custom_code(monkeypatch) -> None:
+    """Any import of the export's own modules fails the test (trust_remote_code=False)."""
     def refuse(*a, **k):
-        raise AssertionError("transformers asked an interactive question")
-    monkeypatch.setattr(builtins, "input", refuse)
+        raise AssertionError("custom code was loaded")
+    from transformers.models.auto import configuration_auto, tokenization_auto
+
+    for mod in (configuration_auto, tokenization_auto):
+        monkeypatch.setattr(mod, "get_class_from_dynamic_module", refuse)
 
 
 @pytest.mark.parametrize("flavour,architecture", [("gpt2", "sequential"), ("llama", "ode")])
@@ -127,10 +139,20 @@ def test_tokenizer_pads_left_and_batched_generate_matches(tmp_path, monkeypatch,
     with open(os.path.join(out, "generation_config.json")) as f:
         gen = json.load(f)
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (EOS, EOS, EOS)
-    _no_prompt(monkeypatch)
-    remote = {} if architecture == "sequential" else {"trust_remote_code": True}
-    tok = transformers.AutoTokenizer.from_pretrained(out, **remote)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, **remote).eval()
+    asked = _no_prompt(monkeypatch)
+    if architecture == "sequential":  # stock classes: no custom code, nothing to opt into
+        tok = transformers.AutoTokenizer.from_pretrained(out)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    else:  # custom code (auto_map): AutoTokenizer reads config.json's AutoConfig entry first,
+        # so the opt-in is explicit either way; False loads the stock tokenizer, runs no code
+        with monkeypatch.context() as m:
+            _no_custom_code(m)
+            stock = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=False)
+        tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+        assert (stock.pad_token_id, stock.padding_side) == (EOS, "left")
+        assert stock("the ODE at time")["input_ids"] == tok("the ODE at time")["input_ids"]
+    assert asked == [], asked
     assert tok.pad_token_id == EOS and tok.padding_side == "left"
     assert hf.generation_config.pad_token_id == EOS
     texts = ["the solver takes step 12 of the ODE at time", "the ODE"]

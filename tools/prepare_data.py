@@ -3,6 +3,8 @@
   python tools/prepare_data.py --source=builtin --tokenizer=bpe:4096 --data_dir=/tmp/owt
   python tools/prepare_data.py --source='gs://bucket/owt/*.parquet' --tokenizer=tiktoken:gpt2 \\
       --data_dir=gs://bucket/owt_gpt2 --num_proc=32
+  python tools/prepare_data.py --source=hf://datasets/Skylion007/openwebtext \\
+      --tokenizer=tiktoken:gpt2 --data_dir=gs://bucket/owt_gpt2 --num_proc=32
 
 Re-running skips finished chunks; an interrupted run resumes without duplicates.
 """
@@ -21,7 +23,9 @@ from ode_lm.data.sources import SourceError
 def main(argv: list[str] | None = None) -> int:
     d = DataConfig()
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--source", default=d.source, help="builtin | paths/globs/dirs | tfds:<name>")
+    ap.add_argument("--source", default=d.source,
+                    help="builtin | paths/globs/dirs (local, gs://) | "
+                         "hf://datasets/<owner>/<name>[/<glob>] | tfds:<name>")
     ap.add_argument("--data_dir", default=None,
                     help="output dir (default: a cache dir keyed by source/tokenizer/holdout)")
     ap.add_argument("--tokenizer", default=d.tokenizer)

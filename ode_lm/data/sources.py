@@ -1,4 +1,4 @@
-"""Raw document sources: built-in corpus, text, jsonl(.gz/.zst), parquet, TFDS; local or gs://.
+"""Raw document sources: built-in corpus, text, jsonl(.gz/.zst), parquet, TFDS; local, gs://, hf://.
 
 A source spec is one of
   * ``builtin`` - the standard-library docstring corpus (``ode_lm.data.corpus``);
@@ -7,6 +7,11 @@ A source spec is one of
     ``etils.epath``). Files are typed by extension: ``.txt``, ``.jsonl``/``.json``
     (optionally ``.gz``/``.zst``), ``.parquet``. Directories are searched recursively;
     files are always read in sorted order.
+  * ``hf://datasets/<owner>/<name>[/<path or glob>]`` - files of a Hugging Face hub dataset
+    repo through ``fsspec.filesystem("hf")`` (``huggingface_hub.HfFileSystem``; the
+    ``[hub]`` extra). The repo or a directory in it means its ``.parquet`` files, recursively
+    (a repo also holds README/json metadata); a glob or a file is typed by extension as
+    above. A revision goes after the name: ``.../<name>@refs%2Fconvert%2Fparquet/...``.
 
 A ``.txt`` file is one document, or, when ``text_delimiter`` is set, several documents
 separated by that string (each piece stripped of surrounding newlines, empty pieces
@@ -30,6 +35,7 @@ import io
 import json
 import logging
 import os
+import re
 import urllib.parse
 import zlib
 from collections.abc import Iterator, Sequence
@@ -43,6 +49,9 @@ TEXT_EXTS = (".txt",)
 JSONL_EXTS = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
 PARQUET_EXTS = (".parquet",)
 ALL_EXTS = TEXT_EXTS + JSONL_EXTS + PARQUET_EXTS
+HUB_PREFIX = "hf://"
+HUB_SPEC = re.compile(r"hf://datasets/([^/*?\[]+/[^/*?\[]+)(?:/(.*))?")
+HUB_EXTRA = "pip install 'ode-lm[hub]'"
 Document = tuple[str, bool]
 log = logging.getLogger("ode_lm.data")
 
@@ -139,10 +148,71 @@ def _walk(root: epath.Path) -> Iterator[str]:
             yield os.fspath(p)
 
 
+def is_hub(path: str) -> bool:
+    return os.fspath(path).startswith(HUB_PREFIX)
+
+
+def hub_filesystem(path: str):
+    """fsspec's ``hf`` file system (huggingface_hub.HfFileSystem unless another is registered),
+    looked up per call so a registered stand-in is honoured; imported only for hf:// paths."""
+    import fsspec
+
+    try:
+        return fsspec.filesystem("hf")
+    except ImportError:
+        raise SourceError(f"source {path!r}: hf:// sources need huggingface_hub "
+                          f"({HUB_EXTRA})") from None
+
+
+def _list_hub(part: str) -> list[str]:
+    """The files of one hf:// spec: repo/dir -> its parquet files; glob -> matches; file."""
+    m = HUB_SPEC.fullmatch(part.rstrip("/"))
+    if m is None:
+        raise SourceError(f"source {part!r}: expected hf://datasets/<owner>/<name>[/<path glob>]")
+    fs, part = hub_filesystem(part), m[0]
+    try:
+        if m[2] and any(c in m[2] for c in "*?["):
+            found = [p for p, info in fs.glob(part, detail=True).items()
+                     if info.get("type") == "file"]
+            what = "the glob matches no files"
+        elif fs.isdir(part):
+            found = [p for p in fs.find(part) if p.lower().endswith(PARQUET_EXTS)]
+            what = "no .parquet files in it"
+        elif fs.exists(part):
+            found, what = [part], ""
+        else:
+            raise SourceError(f"source {part!r}: no such repo, file or directory on the hub")
+    except SourceError:
+        raise
+    except Exception as e:  # noqa: BLE001 - network and hub client errors of many types
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise SourceError(f"source {part!r}: listing on the Hugging Face hub failed "
+                          f"({type(e).__name__}: {msg})") from None
+    if not found:
+        raise SourceError(f"source {part!r}: {what}")
+    return [HUB_PREFIX + p.removeprefix(HUB_PREFIX) for p in found]
+
+
+def open_file(path: str) -> BinaryIO:
+    """A source file opened for binary reading: hf:// through fsspec, else ``etils.epath``."""
+    if is_hub(path):
+        return hub_filesystem(path).open(path, "rb")
+    return epath.Path(path).open("rb")  # type: ignore[return-value]
+
+
+def file_size(path: str) -> int:
+    if is_hub(path):
+        return int(hub_filesystem(path).size(path))
+    return epath.Path(path).stat().length
+
+
 def list_files(spec: str) -> list[str]:
     """The sorted files of a path/glob/dir spec; a one-line error when there are none."""
     files: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if is_hub(part):
+            files.extend(_list_hub(part))
+            continue
         if any(c in part for c in "*?["):
             j = part[: min(part.index(c) for c in "*?[" if c in part)].rfind("/")
             base, pattern = (part[:j] or "/", part[j + 1:]) if j >= 0 else (".", part)
@@ -170,7 +240,7 @@ def list_files(spec: str) -> list[str]:
 
 
 def _open_binary(path: str) -> BinaryIO:
-    f = epath.Path(path).open("rb")
+    f = open_file(path)
     name = path.lower()
     if name.endswith(".gz"):
         return gzip.GzipFile(fileobj=f)  # type: ignore[return-value]
@@ -182,14 +252,14 @@ def _open_binary(path: str) -> BinaryIO:
 
 
 def _check_nonempty(path: str) -> None:
-    p = epath.Path(path)
-    if p.stat().length == 0:
+    if file_size(path) == 0:
         raise EmptyFileError(f"{path}: empty file")
 
 
 def iter_text_file(path: str, delimiter: str | None) -> Iterator[Document]:
     _check_nonempty(path)
-    text, bad = _decode(epath.Path(path).read_bytes())
+    with open_file(path) as f:
+        text, bad = _decode(f.read())
     if delimiter is None:
         if text.strip():
             yield text, bad
@@ -236,7 +306,7 @@ def iter_parquet_file(path: str, field: str, skip: int = 0) -> Iterator[Document
     import pyarrow.parquet as pq
 
     _check_nonempty(path)
-    with epath.Path(path).open("rb") as f:
+    with open_file(path) as f:
         try:
             pf = pq.ParquetFile(f)
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types

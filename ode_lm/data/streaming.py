@@ -30,7 +30,6 @@ from typing import Any
 
 import grain
 import numpy as np
-from etils import epath
 
 from ode_lm.data import packing as packing_lib
 from ode_lm.data import sources as sources_lib
@@ -218,7 +217,7 @@ def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_coun
                          f"by process_count={process_count}")
     rows = cfg.global_batch_size // process_count
     paths = sources_lib.list_files(cfg.source)
-    if all(epath.Path(p).stat().length == 0 for p in paths):
+    if all(sources_lib.file_size(p) == 0 for p in paths):
         raise sources_lib.SourceError(f"streaming: source {cfg.source!r}: no documents (all "
                                       f"{len(paths)} files are empty)")
     files = HostFiles(paths, cfg.seed, process_index, process_count, cfg.num_epochs)

@@ -4,6 +4,11 @@
 ``PreTrainedTokenizerFast`` (pad token = EOS, left padding, so batched ``generate`` works);
 sentencepiece models are copied as ``tokenizer.model``. Other tokenizers (tiktoken, bytes)
 are recorded in ``ode_lm_tokenizer.json`` only.
+
+``tokenizer_config.json`` names the stock class, so no tokenizer code ships. For an export
+with custom model code (``auto_map`` in config.json) ``AutoTokenizer.from_pretrained`` still
+needs an explicit ``trust_remote_code`` (``False`` is enough): transformers 5.25 reads
+config.json through ``AutoConfig`` first, and that asks interactively when the flag is absent.
 """
 
 from __future__ import annotations
