@@ -353,6 +353,8 @@ def iter_source_file(path: str, skipped: SkippedFiles, *, text_field: str = "tex
                                        text_delimiter=text_delimiter, skip=skip):
             n += 1
             yield doc
+    except GeneratorExit:  # closed early (or at interpreter exit, when the names below may
+        raise              # already be None): matched first, so they are never looked up
     except EmptyFileError as e:
         skipped.add("empty", path, str(e))
         return
