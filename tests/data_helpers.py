@@ -96,3 +96,35 @@ TIME_EMBED_DIM = 4
 TOKENIZER = 'bytes'
 ModelConfig.sinusoidal_dim = 4
 """
+
+# A CLI run of the micro model on the built-in corpus that saves every step.
+MICRO_CLI_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
+BATCH_SIZE = 8
+VOCAB_SIZE = 384
+DATA_DIR = '{data_dir}'
+MODEL_DIR = '{model_dir}'
+TRAIN_STEPS = {train_steps}
+train.model_dir = %MODEL_DIR
+train.num_train_steps = %TRAIN_STEPS
+TrainConfig.log_every = 1
+CheckpointConfig.save_every = 1
+MeshConfig.ici_parallelism = {ici}
+DataConfig.eval_max_batches = 1
+"""
+
+
+def micro_cli_gin(data_dir, model_dir, *, train_steps: int, ici: str) -> str:
+    """``MICRO_CLI_GIN`` for one run (``ici``: the mesh, e.g. ``'(-1, 1, 1)'``)."""
+    return MICRO_CLI_GIN.format(data_dir=data_dir, model_dir=model_dir,
+                                train_steps=train_steps, ici=ici)
+
+
+# The data and optimizer half of the fine-tuning tests' gin (bytes-level, 16 tokens).
+FINETUNE_DATA_GIN = """DataConfig.seq_len = 16
+DataConfig.global_batch_size = 8
+DataConfig.holdout_fraction = 0.2
+DataConfig.eval_max_batches = 2
+TrainConfig.log_every = 1
+OptimizerConfig.learning_rate = 1e-2
+OptimizerConfig.warmup_steps = 0
+"""

@@ -15,24 +15,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from data_helpers import MICRO_MODEL_GIN
+from data_helpers import micro_cli_gin
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-MICRO_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
-BATCH_SIZE = 8
-VOCAB_SIZE = 384
-DATA_DIR = '{data_dir}'
-MODEL_DIR = '{model_dir}'
-TRAIN_STEPS = 2
-train.model_dir = %MODEL_DIR
-train.num_train_steps = %TRAIN_STEPS
-TrainConfig.log_every = 1
-CheckpointConfig.save_every = 1
-MeshConfig.ici_parallelism = (-1, 1, 1)
-DataConfig.eval_max_batches = 1
-"""
 
 
 def _env(workdir: Path) -> dict[str, str]:
@@ -65,7 +52,7 @@ def run_dirs(tmp_path_factory) -> dict[str, Path]:
     work = tmp_path_factory.mktemp("bad_inputs")
     model, data = work / "run", work / "data"
     gin_file = work / "micro.gin"
-    gin_file.write_text(MICRO_GIN.format(data_dir=data, model_dir=model))
+    gin_file.write_text(micro_cli_gin(data, model, train_steps=2, ici="(-1, 1, 1)"))
     proc = _run(work, ["-m", "ode_lm.train", f"--gin_file={gin_file}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     (work / "prompt.txt").write_text("The ODE")

@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from data_helpers import MICRO_MODEL_GIN
+from data_helpers import micro_cli_gin
 from orbax.checkpoint._src.serialization import serialization as orbax_serialization
 
 from ode_lm.data import DataConfig, ensure_prepared
@@ -257,19 +257,6 @@ def test_trainer_stops_at_failed_save_and_latest_is_first_save(run2, data_config
     assert step == 1 and ckpt_lib.tree_equal(host(params), host(expected))
 
 
-CLI_GIN = MICRO_MODEL_GIN + """SEQ_LEN = 32
-BATCH_SIZE = 8
-VOCAB_SIZE = 384
-DATA_DIR = '{data_dir}'
-MODEL_DIR = '{model_dir}'
-TRAIN_STEPS = 6
-train.model_dir = %MODEL_DIR
-train.num_train_steps = %TRAIN_STEPS
-TrainConfig.log_every = 1
-CheckpointConfig.save_every = 1
-MeshConfig.ici_parallelism = (1, -1, 1)
-DataConfig.eval_max_batches = 1
-"""
 
 FULL_DISK_CLI = textwrap.dedent("""
     import json, logging, sys
@@ -291,7 +278,8 @@ FULL_DISK_CLI = textwrap.dedent("""
 def test_train_cli_full_disk_one_line_no_traceback(data_config, tmp_path):
     model_dir = tmp_path / "run"
     gin_file = tmp_path / "run.gin"
-    gin_file.write_text(CLI_GIN.format(data_dir=data_config.data_dir, model_dir=model_dir))
+    gin_file.write_text(micro_cli_gin(data_config.data_dir, model_dir, train_steps=6,
+                                      ici="(1, -1, 1)"))
     code = FULL_DISK_CLI.format(disk_full=DISK_FULL, gin_file=gin_file)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("ODE_LM_DEBUG", None)
@@ -328,7 +316,8 @@ def test_train_cli_on_a_really_full_tmpfs(run2, data_config, small_tmpfs):
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
     model_dir = small_tmpfs / "run"
     gin_file = small_tmpfs.parent / "tmpfs.gin"
-    gin_file.write_text(CLI_GIN.format(data_dir=data_config.data_dir, model_dir=model_dir))
+    gin_file.write_text(micro_cli_gin(data_config.data_dir, model_dir, train_steps=6,
+                                      ici="(1, -1, 1)"))
     env = {k: v for k, v in os.environ.items() if k != "ODE_LM_DEBUG"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # run2's layout and size
     proc = subprocess.run(

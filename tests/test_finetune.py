@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from data_helpers import FINETUNE_DATA_GIN
 from export_helpers import make_run, tiny_config
 
 from ode_lm import finetune as ft
@@ -64,14 +65,7 @@ FinetuneConfig.lora_targets = {v['TARGETS']}
 DataConfig.source = '{corpus}'
 DataConfig.tokenizer = '{v['TOKENIZER']}'
 DataConfig.data_dir = '{v['DATA_DIR']}'
-DataConfig.seq_len = 16
-DataConfig.global_batch_size = 8
-DataConfig.holdout_fraction = 0.2
-DataConfig.eval_max_batches = 2
-TrainConfig.log_every = 1
-OptimizerConfig.learning_rate = 1e-2
-OptimizerConfig.warmup_steps = 0
-CheckpointConfig.save_every = 1
+{FINETUNE_DATA_GIN}CheckpointConfig.save_every = 1
 CheckpointConfig.async_save = False
 MeshConfig.ici_parallelism = (-1, 1, 1)
 """

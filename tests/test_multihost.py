@@ -12,6 +12,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from data_helpers import FINETUNE_DATA_GIN
 
 from ode_lm import distributed
 
@@ -297,14 +298,7 @@ FinetuneConfig.method = 'full'
 DataConfig.source = '{corpus}'
 DataConfig.tokenizer = 'bytes'
 DataConfig.data_dir = '{data_dir}'
-DataConfig.seq_len = 16
-DataConfig.global_batch_size = 8
-DataConfig.holdout_fraction = 0.2
-DataConfig.eval_max_batches = 2
-TrainConfig.log_every = 1
-OptimizerConfig.learning_rate = 1e-2
-OptimizerConfig.warmup_steps = 0
-CheckpointConfig.async_save = False
+""" + FINETUNE_DATA_GIN + """CheckpointConfig.async_save = False
 MeshConfig.ici_parallelism = (-1, 1, 1)
 """
 

@@ -31,6 +31,14 @@ TARGET_CKPT_BLOCKED = 0.05  # of a no-save step: time save() holds the train loo
 TARGET_MEMORY_SLACK = 1.10
 BYTES_PER_EXTRA_PARAM = 4 * 4  # params, grads, two Adam moments; float32
 
+# section: (row label, ModelConfig field, values)
+SWEEPS = {
+    "weight_gen": ("weight gen {}", "weight_generation", ("in_scan", "precompute")),
+    "remat": ("remat {}", "remat", ("none", "dots_saveable", "full")),
+    "dtype": ("{}", "dtype", ("float32", "bfloat16")),
+    "solver": ("{} N={n}", "solver", ("euler", "midpoint", "rk4")),
+}
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -131,25 +139,16 @@ def run_bench(args: argparse.Namespace) -> dict:
     if "compare" in args.sections:
         vanilla = bench(cfg.model_config("parallel"), f"vanilla parallel L={n}")
         plan.append(("compare", [(vanilla.label, vanilla), (ode_label, ode)], False))
-    if "weight_gen" in args.sections:
-        plan.append(("weight_gen", [
-            (f"weight gen {w}", ode if w == resolved else
-             bench(base.replace(weight_generation=w), f"ode weight gen {w}"))
-            for w in ("in_scan", "precompute")], False))
-    if "remat" in args.sections:
-        plan.append(("remat", [
-            (f"remat {r}", ode if r == base.remat else bench(base.replace(remat=r),
-                                                             f"ode remat {r}"))
-            for r in ("none", "dots_saveable", "full")], False))
-    if "dtype" in args.sections:
-        plan.append(("dtype", [
-            (d, ode if d == base.dtype else bench(base.replace(dtype=d), f"ode {d}"))
-            for d in ("float32", "bfloat16")], False))
-    if "solver" in args.sections:
-        plan.append(("solver", [
-            (f"{s} N={n}", ode if s == base.solver else bench(base.replace(solver=s),
-                                                             f"ode {s}"))
-            for s in ("euler", "midpoint", "rk4")], False))
+    # one group per ModelConfig field: each value against the base ODE (the same compile
+    # where the value is the base's own)
+    current = {**{f: getattr(base, f) for _, f, _ in SWEEPS.values()},
+               "weight_generation": resolved}
+    for section, (row, field, values) in SWEEPS.items():
+        if section in args.sections:
+            plan.append((section, [
+                (row.format(v, n=n), ode if v == current[field] else
+                 bench(base.replace(**{field: v}), f"ode {field}={v}"))
+                for v in values], False))
     if "checkpoint" in args.sections:
         plan.append(("checkpoint", [
             ("no saves", ode),

@@ -43,6 +43,13 @@ def _save(fig, path) -> pathlib.Path:
     return path
 
 
+def _label_axes(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def plot_magnitude_bands(specs: Sequence[Spectra], path) -> pathlib.Path:
     """|λ| distribution against depth: median, 25–75 % and 5–95 % quantile bands, dashed max."""
     xs, xlabel = _depth_axis(specs)
@@ -57,11 +64,8 @@ def plot_magnitude_bands(specs: Sequence[Spectra], path) -> pathlib.Path:
             ax.plot(x, q[2], color=color, marker=marker, ms=3, label=f"{_label(spec, i)} median")
             ax.plot(x, spec.max_abs(name), color=color, ls="--", lw=1,
                     label=f"{_label(spec, i)} max")
-        ax.set_title(f"|λ| of {TITLES[name]}")
-        ax.set_xlabel(xlabel)
         ax.set_yscale("log")  # magnitudes span orders of magnitude; the max would flatten bands
-        ax.set_ylabel("|λ|  (log; bands: 5–95 %, 25–75 %)")
-        ax.grid(alpha=0.3)
+        _label_axes(ax, f"|λ| of {TITLES[name]}", xlabel, "|λ|  (log; bands: 5–95 %, 25–75 %)")
     axes[0].legend(fontsize=7)
     return _save(fig, path)
 
@@ -76,10 +80,8 @@ def plot_max_abs(specs: Sequence[Spectra], path) -> pathlib.Path:
             if name != "mlp":
                 ax.plot(x, spec.max_abs(name, per_head=True), color=color, lw=0.6, alpha=0.5)
             ax.plot(x, spec.max_abs(name), color=color, lw=2, label=_label(spec, i))
-        ax.set_title(f"max |λ| of {TITLES[name]}" + (" (thin: per head)" if name != "mlp" else ""))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("max |λ|")
-        ax.grid(alpha=0.3)
+        per_head = " (thin: per head)" if name != "mlp" else ""
+        _label_axes(ax, f"max |λ| of {TITLES[name]}{per_head}", xlabel, "max |λ|")
     axes[0].legend(fontsize=8)
     return _save(fig, path)
 
@@ -95,10 +97,8 @@ def plot_ov_positive_real(specs: Sequence[Spectra], path) -> pathlib.Path:
         ax.plot(x, spec.positive_real_fraction("ov"), color=color, lw=2, label=_label(spec, i))
     ax.axhline(0.5, color="gray", ls=":", lw=1)
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("fraction of OV eigenvalues with Re λ > 0")
-    ax.set_title("OV regime: below 0.5 attractive (contracting), above repulsive")
-    ax.grid(alpha=0.3)
+    _label_axes(ax, "OV regime: below 0.5 attractive (contracting), above repulsive", xlabel,
+                "fraction of OV eigenvalues with Re λ > 0")
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -116,10 +116,7 @@ def plot_complex_plane(spec: Spectra, path, points: Sequence[int] | None = None)
                        label=f"{name}={float(spec.depth[i]):g}")
         ax.axvline(0, color="gray", lw=0.8)
         ax.axhline(0, color="gray", lw=0.8)
-        ax.set_title(f"eigenvalues of {TITLES[kind]}")
-        ax.set_xlabel("Re λ")
-        ax.set_ylabel("Im λ")
-        ax.grid(alpha=0.3)
+        _label_axes(ax, f"eigenvalues of {TITLES[kind]}", "Re λ", "Im λ")
     axes[0].legend(fontsize=8)
     return _save(fig, path)
 
