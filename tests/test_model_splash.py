@@ -71,3 +71,46 @@ def test_splash_needs_a_length_in_whole_tiles():
     model = build_model(cfg, nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"attention_impl='splash'.*multiple of 128"):
         model(jnp.zeros((1, 96), jnp.int32))
+
+
+def _libtpu() -> bool:
+    from ode_lm.bench.topology import libtpu_available
+
+    try:
+        return libtpu_available()
+    except ImportError:
+        return False
+
+
+@pytest.mark.skipif(not _libtpu(), reason="libtpu not installed (pip install -e '.[tpu]'): "
+                    "no compile-only TPU devices to lower the kernel for")
+def test_auto_lowers_to_the_splash_kernel_for_tpu():
+    """Under a mesh of compile-only v5e devices 'auto' resolves to splash, and the attention
+    (forward + backward) compiles to Mosaic custom calls with no [T, T] array in the program."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from ode_lm import partitioning
+    from ode_lm.bench.topology import parse_topology, topology_devices
+    from ode_lm.models.common import attention, attention_mask
+
+    devices = np.array(topology_devices(parse_topology("v5e:2x2"))).reshape(1, 4, 1)
+    mesh = Mesh(devices, ("data", "fsdp", "tensor"))
+    b, t, n, h = 4, 2 * T, 2, 64  # 2 tiles: the kernel's [., t, 128] logsumexp is not [t, t]
+    qkv = jax.ShapeDtypeStruct((b, t, n, h), jnp.float32,
+                               sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+    seg = jax.ShapeDtypeStruct((b, t), jnp.int32,
+                               sharding=NamedSharding(mesh, PartitionSpec("fsdp")))
+
+    def compiled_text(impl: str) -> str:
+        def loss(q, k, v, s):
+            mask = attention_mask(s) if impl == "xla" else None
+            return attention(q, k, v, mask, impl=impl, segment_ids=s).sum()
+
+        grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+        return grad.lower(qkv, qkv, qkv, seg).compile().as_text()
+
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(partitioning.axis_rules(())):
+        assert attention_impl(ModelConfig(), t) == "splash"
+        splash, xla = compiled_text("splash"), compiled_text("xla")
+    assert "tpu_custom_call" in splash and "tpu_custom_call" not in xla
+    assert f"{t},{t}]" not in splash and f"{t},{t}]" in xla  # the T x T logits
