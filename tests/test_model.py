@@ -39,9 +39,11 @@ def test_shapes_dtypes_every_solver(flavour):
         assert y.shape == (2, 12, 64) and y.dtype == jnp.float32
         assert np.isfinite(np.asarray(y)).all()
         outs[solver] = np.asarray(y)
-    # the solvers are different integrators of the same ODE: close, but not identical
+    # different integrators of the same ODE: not identical, and the order-2 midpoint rule lies
+    # nearer the order-4 solution than the order-1 Euler step does
     assert not np.array_equal(outs["euler"], outs["rk4"])
-    np.testing.assert_allclose(outs["midpoint"], outs["rk4"], atol=0.05)
+    err_midpoint = np.abs(outs["midpoint"] - outs["rk4"]).max()
+    assert err_midpoint < np.abs(outs["euler"] - outs["rk4"]).max()
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])

@@ -1,4 +1,5 @@
-"""Trainability: gradients, init scale, initial loss, bf16, remat, random grid offset."""
+"""Trainability: init (jax.random), gradients, init scale, initial loss, bf16, remat, random
+grid offset."""
 
 import math
 
@@ -10,6 +11,7 @@ from flax import nnx
 from numerics import f32_atol
 
 from ode_lm.models import ModelConfig, build_model, weights_at
+from ode_lm.models.common import normal_init
 
 TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_steps=3,
             time_embed_dim=4, sinusoidal_dim=4)
@@ -52,6 +54,19 @@ def test_gradients_finite_and_nonzero_for_every_hypernetwork_param(flavour):
     g2 = flat_grads(model, tokens(seed=1))
     for k in hyper:
         assert np.abs(g2[k]).max() > 0.0, k
+
+
+def test_normal_init_is_jax_random_normal():
+    # the flat draw + reshape must be exactly flax's initializer (row-major order included),
+    # and a model's parameters must come from its Rngs' params stream
+    key = jax.random.key(3)
+    ours = np.asarray(normal_init(0.02)(key, (6, 7)))
+    np.testing.assert_array_equal(ours, np.asarray(nnx.initializers.normal(0.02)(key, (6, 7))))
+    a = build_model(ModelConfig(**TINY), nnx.Rngs(0)).embeddings.token[...]
+    b = build_model(ModelConfig(**TINY), nnx.Rngs(params=0)).embeddings.token[...]
+    c = build_model(ModelConfig(**TINY), nnx.Rngs(1)).embeddings.token[...]
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(a), np.asarray(c))
 
 
 def test_generated_weights_have_baseline_init_scale_at_every_t():

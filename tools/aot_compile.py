@@ -9,6 +9,7 @@ stated step time. Exit status: 0 fits, 1 does not fit, 2 bad input.
         --gin_file=configs/data/builtin.gin --topology=v5e:2x2
     python tools/aot_compile.py ... --topology=v5p-128 --num_slices=2 --step_time=1.5
     python tools/aot_compile.py ... --topology=v5e-256 --search --remat=full
+    python tools/aot_compile.py ... --topology=v5p-128 --attention_impl=splash
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Report:
     analytic_flops_per_token: float = float("nan")
     error: str = ""
     label: str = ""  # "" for the configured model, "vanilla" for the baseline
+    attention: str = ""  # ModelConfig.attention_impl as resolved for the topology
     comm: dict = dataclasses.field(default_factory=dict)  # the --json layout (report_json)
     comm_lines: list = dataclasses.field(default_factory=list)
 
@@ -162,6 +164,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     import jax
 
     from ode_lm import partitioning
+    from ode_lm.models.common import attention_impl
     from ode_lm.training import state as state_lib
     from ode_lm.training import step as step_lib
     from ode_lm.training import trainer as trainer_lib
@@ -186,6 +189,8 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
                         model, cfg["step"].num_steps, data.seq_len, global_batch * data.seq_len))
     step_fn = step_lib.jit_train_step(spec, schedule, cfg["step"])
     batch = step_lib.abstract_batch(spec, global_batch, data.seq_len)
+    with jax.set_mesh(mesh):
+        report.attention = attention_impl(model, data.seq_len)
     start = time.perf_counter()
     try:
         with jax.set_mesh(mesh):
@@ -278,6 +283,7 @@ def describe(r: Report, step_time: float) -> str:
         f"batch        {r.global_batch} x {r.seq_len} tokens ({r.per_chip_batch:g} sequences "
         f"per chip)",
         f"compile      {r.compile_seconds:.1f} s",
+        f"attention    {r.attention}",
     ]
     if r.error:
         lines.append(f"memory       compile failed: {r.error}")
@@ -353,6 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--num_slices", type=int, default=1)
     p.add_argument("--global_batch", type=int, help="override DataConfig.global_batch_size")
     p.add_argument("--remat", help="override ModelConfig.remat (none | full | dots_saveable)")
+    p.add_argument("--attention_impl",
+                   help="override ModelConfig.attention_impl (auto | xla | splash | cudnn)")
     p.add_argument("--step_time", type=float, default=1.0, help="seconds/step for the MFU line")
     p.add_argument("--search", action="store_true", help="find the largest per-chip batch")
     p.add_argument("--table_label", help="also print a README table row with this label")
@@ -374,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         topo = parse_topology(args.topology, args.num_slices)
         if args.remat:
             rest.append(f"--gin.ModelConfig.remat='{args.remat}'")
+        if args.attention_impl:
+            rest.append(f"--gin.ModelConfig.attention_impl='{args.attention_impl}'")
         cfg = load_gin(args.gin_file, rest)
         devices = topology_devices(topo)
         batch = args.global_batch or cfg["data"].global_batch_size

@@ -113,8 +113,9 @@ class _DiscreteLM(nnx.Module):
         def layer(x, xs):
             w, key = xs
             if cfg.architecture == "parallel":
-                return x + residual(cfg, w, x, positions, mask, key), None
-            return residual(cfg, w, x, positions, mask, key), None
+                return x + residual(cfg, w, x, positions, mask, key,
+                                    segment_ids=segment_ids), None
+            return residual(cfg, w, x, positions, mask, key, segment_ids=segment_ids), None
 
         layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat))
         x, _ = jax.lax.scan(layer, x, (self.blocks.stacked(), keys))

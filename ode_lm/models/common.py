@@ -1,5 +1,5 @@
 """Building blocks shared by every model: parameters with logical axes, sharding constraints,
-norms, rotary embeddings, masked attention and the remat policies.
+norms, rotary embeddings, attention (XLA / cuDNN / splash) and the remat policies.
 
 Everything here is a pure function of arrays (no module state), so the ODE vector field, the
 discrete baselines and the materialised model all run the very same code.
@@ -7,7 +7,6 @@ discrete baselines and the materialised model all run the very same code.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -18,6 +17,7 @@ from flax.core import spmd as core_spmd
 from flax.linen import spmd as linen_spmd
 from jax.ad_checkpoint import checkpoint_name
 
+from ode_lm.models import splash
 from ode_lm.models.config import ModelConfig
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
@@ -40,40 +40,21 @@ def mesh_active() -> bool:
     return not jax.sharding.get_abstract_mesh().empty
 
 
-def _fmix(x):
-    """murmur3's 32-bit finaliser: a cheap, well-mixed integer hash."""
-    x = x ^ (x >> 16)
-    x = x * jnp.uint32(0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = x * jnp.uint32(0xC2B2AE35)
-    return x ^ (x >> 16)
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _hash_normal(seed: jax.Array, shape: tuple[int, ...], std: jax.Array) -> jax.Array:
-    i = jnp.arange(math.prod(shape), dtype=jnp.uint32)
-    a = _fmix(_fmix(i ^ seed[0]) + seed[1] * jnp.uint32(0x9E3779B9))
-    b = _fmix((a + jnp.uint32(0x632BE5AB)) ^ seed[1])
-    u1 = ((a >> 8).astype(jnp.float32) + 0.5) / 16777216.0
-    u2 = (b >> 8).astype(jnp.float32) / 16777216.0
-    z = jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * jnp.pi * u2)
-    return (z * std).reshape(shape)
-
-
 def normal_init(std: float | jax.Array) -> Callable:
-    """N(0, std²) initialiser from a counter-based hash (murmur3 fmix32 + Box–Muller).
+    """N(0, std²) from ``jax.random.normal``, drawn flat and reshaped.
 
-    Same distribution as ``nnx.initializers.normal``, deterministic per key, but it compiles
-    in ~0.2 s instead of ~2 s per shape for threefry on a CPU, which dominates model
-    construction time in tests.
+    With jax's default partitionable threefry the flat draw is bit-identical to
+    ``nnx.initializers.normal(std)(key, shape)`` (tests/test_model_training.py checks it), but it
+    compiles once per parameter *size*, and faster: threefry over a rank-4/5 shape compiled in
+    3.8-8 s on the shared 2-core CPU, over a vector of the same size in 1.2-1.3 s. Model
+    construction dominates many tests' time; the suite's persistent compilation cache keeps
+    these compiles (each is over its 0.5 s threshold).
     """
 
     def init(key, shape, dtype=jnp.float32):
-        data = jax.random.key_data(key) if jax.dtypes.issubdtype(
-            key.dtype, jax.dtypes.prng_key) else key
-        seed = data.reshape(-1)[-2:].astype(jnp.uint32)
-        std_ = jnp.asarray(std, jnp.float32)
-        return _hash_normal(seed, tuple(int(d) for d in shape), std_).astype(dtype)
+        shape = tuple(int(d) for d in shape)
+        z = jax.random.normal(key, (math.prod(shape),), dtype).reshape(shape)
+        return z * jnp.asarray(std, dtype)
 
     return init
 
@@ -96,19 +77,17 @@ def make_param(
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=mesh_active())
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op outside a mesh/rules context.
-
-    Mesh axes that do not divide a dimension are dropped for that dimension, so tiny test
-    shapes never fail where a production shape would shard.
-    """
+def mesh_spec(shape: Sequence[int], names: Sequence[str | None]):
+    """The PartitionSpec of logical ``names`` under the active rules and mesh (None outside
+    them). Mesh axes that do not divide a dimension are dropped for that dimension, so tiny
+    test shapes never fail where a production shape would shard."""
     rules = core_spmd.get_logical_axis_rules()
     if not rules or not mesh_active():
-        return x
+        return None
     mesh = jax.sharding.get_abstract_mesh()
     spec = linen_spmd.logical_to_mesh_axes(tuple(names), rules)
     fixed = []
-    for dim, axes in zip(x.shape, spec, strict=True):
+    for dim, axes in zip(shape, spec, strict=True):
         if axes is None:
             fixed.append(None)
             continue
@@ -117,7 +96,13 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
         for a in group:
             size *= mesh.shape[a]
         fixed.append(axes if dim % size == 0 else None)
-    return jax.lax.with_sharding_constraint(x, jax.sharding.PartitionSpec(*fixed))
+    return jax.sharding.PartitionSpec(*fixed)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Sharding constraint by logical names; a no-op outside a mesh/rules context."""
+    spec = mesh_spec(x.shape, names)
+    return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,18 +201,45 @@ def attention_mask(segment_ids: jax.Array) -> jax.Array:
     return (same & causal[None])[:, None]
 
 
-def attention(q, k, v, mask):
+def platform() -> str:
+    """The platform programs are being built for: the active mesh's devices (TPU for an AOT
+    compile on a CPU host), else jax's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()
+
+
+def attention_impl(config: ModelConfig, seq_len: int | None = None) -> str:
+    """``ModelConfig.attention_impl`` resolved: ``'auto'`` → splash on TPU (when the length
+    suits its 128-row tiles), cuDNN on GPU, the written-out XLA form elsewhere."""
+    impl = config.attention_impl
+    if impl != "auto":
+        return impl
+    kind = platform()
+    if kind == "tpu" and (seq_len is None or seq_len % splash.BLOCK == 0):
+        return "splash"
+    return "cudnn" if kind == "gpu" else "xla"
+
+
+def attention(q, k, v, mask, *, impl: str = "xla", segment_ids=None):
     """softmax(q kᵀ / √h, masked) v for q, k, v [B, T, N, H] and a boolean mask [B, 1, T, S].
 
-    Logits and softmax are float32 whatever the activation dtype. On GPUs this is
-    ``jax.nn.dot_product_attention`` (cuDNN's fused kernel where it applies). Elsewhere the
-    equation is written out: jax's generic path scales the [B, N, T, S] logits rather than q,
-    builds a second full-size mask and vmaps over query groups, which made the CPU train
-    step's attention (forward + backward) ≈ 20 % slower.
+    ``impl`` (see ``attention_impl``): ``'splash'`` is the Pallas kernel, which takes the
+    packed ``segment_ids`` [B, T] (causal self-attention; ``mask`` is unused);
+    ``'cudnn'`` is ``jax.nn.dot_product_attention`` (cuDNN's fused kernel where it applies).
+    ``'xla'`` writes the equation out: jax's generic path scales the [B, N, T, S] logits
+    rather than q, builds a second full-size mask and vmaps over query groups, which made the
+    CPU train step's attention (forward + backward) ≈ 20 % slower. Logits and softmax are
+    float32 whatever the activation dtype.
     """
-    if jax.default_backend() == "gpu":
+    if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, mask=mask)
     q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+    if impl == "splash":
+        if segment_ids is None:
+            raise ValueError("attention(impl='splash') needs the packed segment_ids")
+        return splash.splash_attention(q, k, v, segment_ids,
+                                       spec=mesh_spec(q.shape, BATCH_LENGTH_HEADS_KV),
+                                       interpret=platform() != "tpu")
     logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)

@@ -19,6 +19,8 @@ ADAPTIVE_SOLVERS = ("adaptive", "bosh3", "dopri5")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots_saveable")
 WEIGHT_GENERATION = ("auto", "in_scan", "precompute")
+# auto: splash (Pallas) on TPU, cuDNN on GPU, the written-out XLA form on CPU
+ATTENTION_IMPLS = ("auto", "xla", "splash", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ModelConfig:
     # numerics
     dtype: str = "float32"  # compute dtype; params are always float32
     remat: str = "none"
+    attention_impl: str = "auto"  # one of ATTENTION_IMPLS (models/common.attention_impl)
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rotary_fraction: float = 1.0  # neox: fraction of head_dim that is rotated
@@ -76,7 +79,8 @@ class ModelConfig:
         if self.num_steps <= 0:
             raise ValueError(f"ModelConfig.num_steps={self.num_steps}: must be >= 1")
         for name, allowed in (("dtype", DTYPES), ("remat", REMAT),
-                              ("weight_generation", WEIGHT_GENERATION)):
+                              ("weight_generation", WEIGHT_GENERATION),
+                              ("attention_impl", ATTENTION_IMPLS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"ModelConfig.{name}={getattr(self, name)!r}: expected one of {allowed}"

@@ -60,7 +60,7 @@ class DiffEqFormer(nnx.Module):
         positions, segment_ids = default_inputs(x[..., 0], positions, segment_ids)
         w = self.block.weights(t) if weights is None else weights
         return parallel_residual(self.config, w, x, positions, attention_mask(segment_ids),
-                                 dropout_key)
+                                 dropout_key, segment_ids=segment_ids)
 
     def logits(self, x: jax.Array) -> jax.Array:
         return self.head(x, self.embeddings)
@@ -101,7 +101,8 @@ class DiffEqFormer(nnx.Module):
                                  "as a trajectory; use a fixed-grid solver")
 
             def field(x, t):
-                return parallel_residual(cfg, self.block.weights(t), x, positions, mask, None)
+                return parallel_residual(cfg, self.block.weights(t), x, positions, mask, None,
+                                         segment_ids=segment_ids)
 
             x, st = solvers.solve_adaptive(
                 field, x0, solver=solver, rtol=cfg.rtol if rtol is None else rtol,
@@ -141,7 +142,7 @@ class DiffEqFormer(nnx.Module):
             w = self.block.weights(t) if "w" not in step_inputs else jax.tree.map(
                 lambda a: a[stage], inp["w"])
             key = None if keys is None else jax.random.fold_in(inp["key"], stage)
-            return parallel_residual(cfg, w, x, positions, mask, key)
+            return parallel_residual(cfg, w, x, positions, mask, key, segment_ids=segment_ids)
 
         # With stats, the state is augmented (Finlay et al. 2020) by the kinetic energy
         # e(t) = ∫ mean(f²) dt, integrated by the same solver at no extra evaluation. It is

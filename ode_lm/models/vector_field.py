@@ -31,6 +31,7 @@ from ode_lm.models.common import (
     apply_norm,
     apply_rotary,
     attention,
+    attention_impl,
     compute_dtype,
     constrain,
     rotary_dim,
@@ -133,11 +134,14 @@ class KVCache(NamedTuple):
 
 
 def attention_branch(config: ModelConfig, w: BlockWeights, h, positions, mask,
-                     cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+                     cache: KVCache | None = None,
+                     segment_ids: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     """(Attn(h), cache): h [B, T, E] (normalised) → [B, T, E] in compute dtype.
 
     With a ``cache`` the new keys/values are written into it and the queries attend over all
-    its rows (``mask`` is then ignored: the cache knows which rows are visible)."""
+    its rows (``mask`` is then ignored: the cache knows which rows are visible). The splash
+    kernel (``ModelConfig.attention_impl``) needs the packed ``segment_ids`` and no cache;
+    calls without them (generation, the analysis helpers) use the XLA form."""
     cdt = compute_dtype(config)
     qkv = _dense(h, w, "qkv", "bte,eshd->btshd", cdt)  # s = the fused q/k/v axis
     q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
@@ -150,7 +154,10 @@ def attention_branch(config: ModelConfig, w: BlockWeights, h, positions, mask,
     q = tag(constrain(q, BATCH_LENGTH_HEADS_KV), "q")
     k = tag(constrain(k, BATCH_LENGTH_HEADS_KV), "k")
     v = tag(constrain(v, BATCH_LENGTH_HEADS_KV), "v")
-    ctx = tag(attention(q, k, v, mask), "attn_context")
+    impl = attention_impl(config, h.shape[1])
+    if impl == "splash" and (cache is not None or segment_ids is None):
+        impl = "xla"
+    ctx = tag(attention(q, k, v, mask, impl=impl, segment_ids=segment_ids), "attn_context")
     return tag(_dense(ctx, w, "out", "bthd,hde->bte", cdt), "attn_out"), cache
 
 
@@ -181,14 +188,15 @@ def _dropout(y, rate: float, key):
 
 
 def parallel_residual(config: ModelConfig, w: BlockWeights, x, positions, mask, dropout_key=None,
-                      cache: KVCache | None = None):
+                      cache: KVCache | None = None, segment_ids: jax.Array | None = None):
     """f(x) = Attn(Norm1(x)) + MLP(Norm2(x)) in float32, [B, T, E] → [B, T, E].
 
-    With a ``cache`` (generation) it returns ``(f(x), cache)`` with the new keys/values."""
+    With a ``cache`` (generation) it returns ``(f(x), cache)`` with the new keys/values.
+    ``segment_ids`` (packed documents) let attention use the splash kernel."""
     x = constrain(x, BATCH_LENGTH_EMBED)
     k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
     a, new_cache = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask,
-                                    cache)
+                                    cache, segment_ids)
     a = _dropout(a, config.dropout_rate, k1)
     m = _dropout(mlp_branch(config, w, _norm(config, w, "norm2", x)), config.dropout_rate, k2)
     f = constrain(a.astype(jnp.float32) + m.astype(jnp.float32), BATCH_LENGTH_EMBED)
@@ -196,11 +204,12 @@ def parallel_residual(config: ModelConfig, w: BlockWeights, x, positions, mask, 
 
 
 def sequential_residual(config: ModelConfig, w: BlockWeights, x, positions, mask,
-                        dropout_key=None):
+                        dropout_key=None, segment_ids: jax.Array | None = None):
     """A pre-norm GPT-2/Llama block: x + Attn(Norm1(x)), then + MLP(Norm2(·))."""
     x = constrain(x, BATCH_LENGTH_EMBED)
     k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    a, _ = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask)
+    a, _ = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask,
+                            segment_ids=segment_ids)
     x = x + _dropout(a, config.dropout_rate, k1).astype(jnp.float32)
     m = mlp_branch(config, w, _norm(config, w, "norm2", x))
     return constrain(x + _dropout(m, config.dropout_rate, k2).astype(jnp.float32),
