@@ -25,7 +25,7 @@ from ode_lm.models.common import (
     remat_policy,
 )
 from ode_lm.models.config import ModelConfig
-from ode_lm.models.embeddings import Embeddings, Head
+from ode_lm.models.embeddings import LanguageModel
 from ode_lm.models.vector_field import (
     BlockWeights,
     dense_specs,
@@ -63,24 +63,9 @@ class StackedBlocks(nnx.Module):
         return {name: p[...] for name, p in self.weights.items()}
 
 
-class _DiscreteLM(nnx.Module):
-    _architecture = ""
-
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        if config.architecture != self._architecture:
-            raise ValueError(f"{type(self).__name__}: ModelConfig.architecture="
-                             f"{config.architecture!r}, expected {self._architecture!r}")
-        self.config = config
-        self.embeddings = Embeddings(config, rngs)
+class _DiscreteLM(LanguageModel):
+    def build_body(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.blocks = StackedBlocks(config, rngs)
-        self.head = Head(config, rngs)
-
-    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        positions, _ = default_inputs(tokens, positions, None)
-        return self.embeddings(tokens, positions)
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        return self.head(x, self.embeddings)
 
     def __call__(
         self,

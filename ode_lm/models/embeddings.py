@@ -17,6 +17,7 @@ from ode_lm.models.common import (
     apply_norm,
     compute_dtype,
     constrain,
+    default_inputs,
     make_param,
     normal_init,
 )
@@ -72,3 +73,33 @@ class Head(nnx.Module):
             logits = jnp.einsum("bte,ev->btv", h, self.kernel[...].astype(cdt),
                                 preferred_element_type=jnp.float32)
         return constrain(logits.astype(jnp.float32), BATCH_LENGTH_VOCAB)
+
+
+class LanguageModel(nnx.Module):
+    """What the ODE and the discrete models share: embeddings, a body, a head.
+
+    A subclass names its ``_architecture`` and builds its body in ``build_body``, which runs
+    between the embeddings and the head, so the params stream is drawn in that order."""
+
+    _architecture = ""
+
+    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
+        if config.architecture != self._architecture:
+            raise ValueError(f"{type(self).__name__}: ModelConfig.architecture="
+                             f"{config.architecture!r}, expected {self._architecture!r}")
+        self.config = config
+        self.embeddings = Embeddings(config, rngs)
+        self.build_body(config, rngs)
+        self.head = Head(config, rngs)
+
+    def build_body(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
+        raise NotImplementedError
+
+    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+        """x₀, float32 [B, T, E]."""
+        positions, _ = default_inputs(tokens, positions, None)
+        return self.embeddings(tokens, positions)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm + head, float32 [B, T, V]."""
+        return self.head(x, self.embeddings)

@@ -21,28 +21,19 @@ from flax import nnx
 from ode_lm.models import solvers
 from ode_lm.models.common import attention_mask, default_inputs, remat_policy
 from ode_lm.models.config import ModelConfig
-from ode_lm.models.embeddings import Embeddings, Head
+from ode_lm.models.embeddings import LanguageModel
 from ode_lm.models.vector_field import BlockWeights, TemporalBlock, parallel_residual
 
 
-class DiffEqFormer(nnx.Module):
+class DiffEqFormer(LanguageModel):
     """The Neural ODE transformer of the paper (``architecture='ode'``)."""
 
-    def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
-        if config.architecture != "ode":
-            raise ValueError(
-                f"DiffEqFormer: ModelConfig.architecture={config.architecture!r}, expected 'ode'"
-            )
-        self.config = config
-        self.embeddings = Embeddings(config, rngs)
+    _architecture = "ode"
+
+    def build_body(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.block = TemporalBlock(config, rngs)
-        self.head = Head(config, rngs)
 
-    # ---- pieces -------------------------------------------------------------------------------
-    def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-        positions, _ = default_inputs(tokens, positions, None)
-        return self.embeddings(tokens, positions)
-
+    # ---- pieces (embed and logits: LanguageModel) ---------------------------------------------
     def weights_at(self, t: jax.Array | float) -> BlockWeights:
         return self.block.weights(t)
 
@@ -61,9 +52,6 @@ class DiffEqFormer(nnx.Module):
         w = self.block.weights(t) if weights is None else weights
         return parallel_residual(self.config, w, x, positions, attention_mask(segment_ids),
                                  dropout_key, segment_ids=segment_ids)
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        return self.head(x, self.embeddings)
 
     # ---- the solve ----------------------------------------------------------------------------
     def solve(
