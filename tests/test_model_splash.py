@@ -13,7 +13,7 @@ from flax import nnx
 
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.models.common import attention_impl
-from ode_lm.training import checkpoint
+from ode_lm.training.run_dir import RunDir
 
 # The kernel tiles the sequence in 128-row blocks: T = 128 is the smallest length it takes.
 TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=128, num_steps=2,
@@ -49,8 +49,8 @@ def test_unknown_attention_impl_is_a_one_line_error():
 def test_old_model_config_json_without_the_field_loads(tmp_path):
     fields = dataclasses.asdict(ModelConfig(**TINY))
     del fields["attention_impl"]
-    (tmp_path / checkpoint.MODEL_CONFIG_FILE).write_text(json.dumps(fields))
-    assert checkpoint.load_model_config(str(tmp_path)).attention_impl == "auto"
+    (tmp_path / "model_config.json").write_text(json.dumps(fields))
+    assert RunDir(str(tmp_path)).model_config().attention_impl == "auto"
 
 
 def test_splash_matches_xla_on_a_packed_batch():
