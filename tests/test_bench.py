@@ -265,8 +265,9 @@ def test_bench_checkpoint_smoke_tiny(repo_root, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert set(result["per_save"]) == {"trainer", "sync_dirs", "synchronous", "keep_all",
-                                       "no_ocdbt", "zstd", "snapshot", "flat", "tmpfs", "raw"}
+    assert set(result["per_save"]) == {"trainer", "on_loop", "sync_dirs", "synchronous",
+                                       "keep_all", "no_ocdbt", "zstd", "snapshot", "flat",
+                                       "tmpfs", "raw"}
     # the train state: params and two Adam moments, float32 (tiny: ~4.6 M params)
     assert 3 * 4 * 4e6 < result["state_bytes"] < 3 * 4 * 6e6
     for row in result["per_save"].values():

@@ -230,7 +230,10 @@ def test_checkpointer_save_failure_names_step_and_keeps_previous(tmp_path, monke
     assert ckpt.save(1, tree)
     with pytest.raises(ckpt_lib.CheckpointSaveError) as e:
         ckpt.save(2, {**tree, "step": jax.numpy.int32(2)})
-        ckpt.save(3, tree)  # async: the step-2 failure surfaces at the next call
+        # async: the step-2 failure surfaces at a later call (off the loop, the save worker
+        # finds it while step 3 waits for step 2's write), at the latest at wait()
+        ckpt.save(3, tree)
+        ckpt.wait()
     ckpt.close()  # the same background error is not raised a second time
     msg = str(e.value)
     assert f"step 2 to {tmp_path}/checkpoints/2 failed" in msg and "No space left" in msg
@@ -248,8 +251,10 @@ def test_trainer_stops_at_failed_save_and_latest_is_first_save(run2, data_config
     fail_writes_of_step(monkeypatch, 2)
     model_dir = tmp_path / "full"
     with pytest.raises(ckpt_lib.CheckpointSaveError, match=f"step 2 to {model_dir}/checkpoints/2"):
-        make_trainer(model_dir, data_config, 4).run()
-    assert max(metrics(model_dir)) <= 3, "the run went on after the failed save"
+        make_trainer(model_dir, data_config, 8).run()
+    # the save worker finds step 2's failure while handling step 3 (which it does not
+    # save); the loop raises it at step 4's save at the latest
+    assert max(metrics(model_dir)) <= 4, "the run went on after the failed save"
     assert steps_on_disk(model_dir) == [1]
     assert not (model_dir / run_lock.LOCK_FILE).exists()  # released on the error too
     params, step = params_at(model_dir)
@@ -291,7 +296,9 @@ def test_train_cli_full_disk_one_line_no_traceback(data_config, tmp_path):
     assert err[0].startswith("ode-lm-train: error: saving checkpoint step 2 to "
                              f"{model_dir}/checkpoints/2 failed"), err
     assert "No space left on device" in err[0] and "still step 1" in err[0]
-    assert "step 4/6" not in proc.stdout, proc.stdout  # stopped at once
+    # stopped at once: the save worker finds step 2's failure while handling step 3, and the
+    # loop raises it at step 4's save at the latest
+    assert "step 5/6" not in proc.stdout, proc.stdout
     assert steps_on_disk(model_dir) == [1]
     _, step = params_at(model_dir)
     assert step == 1

@@ -99,6 +99,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     from ode_lm.bench import train_bench as bu
     from ode_lm.models.lm import precompute_weights
+    from ode_lm.training import checkpoint as ckpt_lib
 
     cfg = bu.get_config(args.config)
     devices = jax.devices()
@@ -154,8 +155,9 @@ def run_bench(args: argparse.Namespace) -> dict:
             ("no saves", ode),
             ("async save every 10", ode.sibling("ckpt10", 10, args.checkpoint_dir)),
             ("async save every step", ode.sibling("ckpt1", 1, args.checkpoint_dir)),
-            ("every step, dirs on loop", ode.sibling("ckpt1dirs", 1, args.checkpoint_dir,
-                                                     async_directories=False)),
+            ("every step, save on loop", ode.sibling(
+                "ckpt1loop", 1, args.checkpoint_dir,
+                checkpoint_config=ckpt_lib.CheckpointConfig(off_loop=False))),
             *([("every step into /dev/shm", ode.sibling("ckpt1shm", 1, "/dev/shm"))]
               if os.path.isdir("/dev/shm") else []),
         ], True))

@@ -25,16 +25,18 @@ from typing import Any
 
 from ode_lm import cli
 
-VARIANTS = ("trainer", "sync_dirs", "synchronous", "keep_all", "no_ocdbt", "zstd", "snapshot",
-            "flat", "tmpfs", "raw")
+VARIANTS = ("trainer", "on_loop", "sync_dirs", "synchronous", "keep_all", "no_ocdbt", "zstd",
+            "snapshot", "flat", "tmpfs", "raw")
 DESCRIPTIONS = {
-    "trainer": "trainer Checkpointer: async (directories too), OCDBT, no compression, keep 2",
-    "sync_dirs": "same, step directories made on the loop (the path before issue 16)",
+    "trainer": "trainer Checkpointer: orbax's save call on a worker thread from an on-device "
+               "copy; async (directories too), OCDBT, no compression, keep 2",
+    "on_loop": "same, orbax's save call on the loop (off_loop=False)",
+    "sync_dirs": "on_loop, step directories made on the loop (the path before issue 16)",
     "synchronous": "same, enable_async_checkpointing=False",
     "keep_all": "same, max_to_keep=None (no deletions)",
     "no_ocdbt": "same handler with use_ocdbt=False",
     "zstd": "same handler with use_compression=True (orbax default)",
-    "snapshot": "trainer, saving a jitted on-device copy (the step may donate at once)",
+    "snapshot": "on_loop, saving a jitted on-device copy (the step may donate at once)",
     "flat": "fewer, larger arrays: the float32 leaves as one vector (+ 6 int leaves)",
     "tmpfs": "trainer into /dev/shm (RAM: the local tier of multi-tier checkpointing)",
     "raw": "bare host copy + raw file write (lower bound)",
@@ -74,10 +76,12 @@ def _orbax_saver(directory: str, variant: str) -> Saver:
 
     from ode_lm.training import checkpoint as ckpt_lib
 
-    if variant in ("trainer", "sync_dirs", "synchronous", "keep_all", "snapshot", "tmpfs"):
+    if variant in ("trainer", "on_loop", "sync_dirs", "synchronous", "keep_all", "snapshot",
+                   "tmpfs"):
         config = ckpt_lib.CheckpointConfig(
             save_every=1, max_to_keep=None if variant == "keep_all" else 2,
-            async_save=variant != "synchronous")
+            async_save=variant != "synchronous",
+            off_loop=variant not in ("on_loop", "sync_dirs", "snapshot"))
         ckpt = ckpt_lib.Checkpointer(directory, config, async_directories=variant != "sync_dirs")
         copy = jax.jit(lambda tree: jax.tree.map(jnp.copy, tree))
 

@@ -33,6 +33,7 @@ from etils import epath
 from ode_lm.config_types import check_types
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
+from ode_lm.training.save_worker import FrozenIteratorState, SaveWorker, SnapshotPool
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -45,6 +46,10 @@ class CheckpointConfig:
     max_to_keep: int | None = 3
     keep_period: int | None = None  # steps divisible by this are kept forever
     async_save: bool = True
+    # Make orbax's save call on a worker thread, from an on-device copy of the state, so the
+    # train loop is not held by its per-array work (save_worker.py); False: on the loop.
+    # Multi-process jobs always save on the loop (see Checkpointer).
+    off_loop: bool = True
 
     def __post_init__(self):
         check_types(self)
@@ -115,6 +120,14 @@ class Checkpointer:
             },
         )
         self._pending: int | None = None  # step of the async save that may still fail
+        self._submitted = -1  # the last step handed to the save worker
+        # Off the loop in a one-process job only: orbax's multi-host save synchronises the
+        # processes with device collectives (sync_global_devices), which must be issued in
+        # the same order as the train step's on every process; from a second thread they
+        # interleave differently and the job deadlocks.
+        self._worker = (SaveWorker() if config.off_loop and config.async_save
+                        and jax.process_count() == 1 else None)
+        self._snapshots = SnapshotPool()
         self._failed = False
         self._damaged: list[int] = []  # steps restore_latest skipped as damaged
         install_save_noise_filters()
@@ -137,17 +150,34 @@ class Checkpointer:
         self._set_aside_damaged()
         if step in self.manager.all_steps():
             return False
+        if self._worker is None:
+            self._save_now(step, state, data_iterator)
+            return True
+        if step <= self._submitted:
+            return False  # handed over already; orbax may not list it yet
+        data = (FrozenIteratorState(data_iterator)
+                if data_iterator is not None and _is_grain_iterator(data_iterator) else None)
+        self._worker.join()  # the previous save call has returned: one save in hand at most
+        self._raise_worker_error()
+        state = self._snapshots.take(state)  # dispatched; the next step may donate the state
+        self._worker.submit(step, lambda: self._save_now(step, state, data))
+        self._submitted = step
+        return True
+
+    def _save_now(self, step: int, state: Any, data_iterator: Any) -> None:
+        """orbax's save call (on the loop, or on the save worker's thread)."""
         items = {"state": ocp.args.PyTreeSave(state)}
         if data_iterator is not None and _is_grain_iterator(data_iterator):
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
-        self.wait()  # the previous save's error is that step's, not this one's
+        self._wait_written()  # the previous save's error is that step's, not this one's
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as e:
             raise self._save_error(step, e) from e
         self._pending = step if self.config.async_save else None
-        return True
+        if self._worker is not None:
+            self._snapshots.written(state)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` writes: orbax's decision (``manager.should_save``: on the
@@ -164,6 +194,7 @@ class Checkpointer:
 
     def check_for_errors(self) -> None:
         """Raise CheckpointSaveError if the last async save has failed (does not block)."""
+        self._raise_worker_error()
         if self._pending is None:
             return
         try:
@@ -272,8 +303,21 @@ class Checkpointer:
         pidx, pcount = jax.process_index(), jax.process_count()
         return (self.directory / str(step) / "data" / f"process_{pidx}-of-{pcount}.json").exists()
 
+    def _raise_worker_error(self) -> None:
+        if self._worker is not None and self._worker.error is not None:
+            step, e = self._worker.error
+            self._worker.error = None
+            raise e if isinstance(e, CheckpointSaveError) else self._save_error(step, e)
+
     def wait(self) -> None:
-        """Block until the pending async save is written; CheckpointSaveError if it failed."""
+        """Block until every save handed over is written; CheckpointSaveError if one failed."""
+        if self._worker is not None:
+            self._worker.join()
+            self._raise_worker_error()
+        self._wait_written()
+
+    def _wait_written(self) -> None:
+        """Block until orbax has written the pending async save."""
         try:
             self.manager.wait_until_finished()
         except Exception as e:
@@ -284,10 +328,15 @@ class Checkpointer:
         """Finish the pending save and release orbax's threads; after a reported save
         failure the (same) background error is not raised again."""
         try:
+            if self._worker is not None:
+                self._worker.join()
+                self._raise_worker_error()  # a failure the loop has not been told of yet
             if not self._failed:
                 self.wait()
         finally:
             try:
+                if self._worker is not None:
+                    self._worker.close()
                 self.manager.close()
             except Exception:
                 if not self._failed:
