@@ -139,10 +139,16 @@ def test_a_worker_failure_is_raised_once_and_later_saves_are_skipped(tmp_path, m
     assert ckpt.all_steps() == []
 
 
-def test_a_multi_process_job_saves_on_the_loop(tmp_path, monkeypatch):
-    """orbax's multi-host save issues device collectives (sync_global_devices): off the loop
-    they would interleave with the train step's in a different order on each process."""
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    ckpt = ckpt_lib.Checkpointer(str(tmp_path), ckpt_lib.CheckpointConfig(save_every=1))
-    assert ckpt._worker is None
-    ckpt.close()
+def test_orbax_barriers_move_off_device_collectives(monkeypatch):
+    """What a multi-process Checkpointer does before it saves off the loop (the 2-process
+    jobs of test_multihost.py and test_host_faults.py run that path): orbax's process
+    barriers go through the coordination service, not a device collective that would
+    interleave with the train step's."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    flag = flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name]
+    monkeypatch.setattr(flag, "value", flag.value)  # restored after the test
+    monkeypatch.setattr(flag, "present", flag.present)
+    save_worker.use_coordination_barriers()
+    assert multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value is True

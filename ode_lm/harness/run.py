@@ -112,19 +112,23 @@ def evaluate_model(model: Any, tokenizer: Any, tasks: Sequence[str], *,
                    rtol: float | None = None, atol: float | None = None,
                    include_path: str | None = None, limit: int | None = None,
                    num_fewshot: int | None = None, batch_size: int = 16) -> dict[str, float]:
-    """lm-eval metrics of one model at each N (keys end in ``@steps=N`` for a sweep)."""
+    """lm-eval metrics of one model at each N, named as ``eval/`` is
+    (``training.evaluation.metric_suffix``): no suffix at the model's own N, ``@steps=M`` at
+    another M; an adaptive solve has one entry per call, unsuffixed."""
     require_lm_eval()
     from ode_lm.harness.adapter import OdeLM
+    from ode_lm.models.solvers import is_adaptive
+    from ode_lm.training.evaluation import metric_suffix
 
     tasks = parse_tasks(tasks)
     out: dict[str, float] = {}
-    sweep = len(num_steps) > 1
     for n in num_steps:
         lm = OdeLM(model, tokenizer, num_steps=n, solver=solver, rtol=rtol, atol=atol,
                    batch_size=batch_size)
         res = simple_evaluate(lm, tasks, include_path=include_path, limit=limit,
                               num_fewshot=num_fewshot)
-        suffix = f"@steps={n or model.config.num_steps}" if sweep else ""
+        suffix = "" if is_adaptive(solver) else metric_suffix(
+            n, getattr(model.config, "num_steps", None))
         out.update(metrics(res, suffix))
     return out
 

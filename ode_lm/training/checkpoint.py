@@ -33,7 +33,12 @@ from etils import epath
 from ode_lm.config_types import check_types
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
-from ode_lm.training.save_worker import FrozenIteratorState, SaveWorker, SnapshotPool
+from ode_lm.training.save_worker import (
+    FrozenIteratorState,
+    SaveWorker,
+    SnapshotPool,
+    use_coordination_barriers,
+)
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -48,7 +53,6 @@ class CheckpointConfig:
     async_save: bool = True
     # Make orbax's save call on a worker thread, from an on-device copy of the state, so the
     # train loop is not held by its per-array work (save_worker.py); False: on the loop.
-    # Multi-process jobs always save on the loop (see Checkpointer).
     off_loop: bool = True
 
     def __post_init__(self):
@@ -121,12 +125,11 @@ class Checkpointer:
         )
         self._pending: int | None = None  # step of the async save that may still fail
         self._submitted = -1  # the last step handed to the save worker
-        # Off the loop in a one-process job only: orbax's multi-host save synchronises the
-        # processes with device collectives (sync_global_devices), which must be issued in
-        # the same order as the train step's on every process; from a second thread they
-        # interleave differently and the job deadlocks.
-        self._worker = (SaveWorker() if config.off_loop and config.async_save
-                        and jax.process_count() == 1 else None)
+        self._worker = None
+        if config.off_loop and config.async_save:
+            if jax.process_count() > 1:  # before any orbax barrier of this process
+                use_coordination_barriers()
+            self._worker = SaveWorker()
         self._snapshots = SnapshotPool()
         self._failed = False
         self._damaged: list[int] = []  # steps restore_latest skipped as damaged

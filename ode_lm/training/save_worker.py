@@ -104,6 +104,20 @@ def _on_cpu(tree: Any) -> bool:
     return bool(leaves) and all(d.platform == "cpu" for d in leaves[0].sharding.device_set)
 
 
+def use_coordination_barriers() -> None:
+    """Make orbax synchronise processes through the coordination service (its
+    ``experimental_orbax_use_distributed_barrier`` flag) instead of ``sync_global_devices``,
+    a device collective: issued from the save worker, a device collective would interleave
+    with the train step's in a different order on each process and deadlock the job. Sets
+    the one absl flag as if given on the command line (the program's own flags stay
+    unparsed)."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    flag = flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name]
+    flag.value, flag.present = True, max(flag.present, 1)
+
+
 class FrozenIteratorState:
     """The data iterator's state at the step being saved, as grain's checkpoint handler reads
     it (``get_state()``), written byte for byte as the live iterator would have been."""
