@@ -7,7 +7,8 @@ arrays). ``Checkpointer`` with ``CheckpointConfig.off_loop`` (the default) hands
 this thread instead. The loop only dispatches an on-device copy of the state (the next step
 donates the state's own buffers, which orbax would still be reading) and freezes the data
 iterator's state; it waits only while the previous save call has not returned yet, so at
-most one copy is in hand beside the one orbax is writing.
+most one copy is in hand beside the one orbax is writing. In a multi-process job orbax's
+process barriers move to the coordination service first (``use_coordination_barriers``).
 """
 
 from __future__ import annotations
