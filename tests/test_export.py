@@ -123,7 +123,8 @@ def test_verify_without_the_hf_extra_stops_before_writing(tmp_path, capsys, monk
     rc = _cli([f"--model_dir={run}", f"--out={tmp_path / 'x'}", "--format=hf", "--num_steps=2",
                "--verify"])
     err = capsys.readouterr().err.strip()
-    assert rc == 1 and "needs transformers" in err and "[hf]" in err and "\n" not in err
+    # the message names what is missing: transformers here, torch too on the lean install
+    assert rc == 1 and "needs " in err and "transformers" in err and "[hf]" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "x")  # checked before the export is written
 
 
