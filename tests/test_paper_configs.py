@@ -119,11 +119,11 @@ def test_every_paper_run_splits_over_its_slice():
     assert len(runs) == 14
     chips = aot_compile.parse_topology(paper.TOPOLOGY).num_chips
     assert (chips, aot_compile.parse_topology(paper.SMALL).num_chips) == (64, 4)
-    readme = (PAPER.parents[2] / "README.md").read_text()
+    pods = (PAPER.parents[2] / "docs" / "pods.md").read_text()  # its launch table
     for run in runs:
         batch = _configs(f"runs/paper/{run}.gin")[2].global_batch_size
         assert batch % chips == 0 and batch // chips in (4, 8), run
-        assert f"| `{run}` |" in readme and f"--gin_file=configs/runs/paper/{run}.gin" in readme
+        assert f"| `{run}` |" in pods and f"--gin_file=configs/runs/paper/{run}.gin" in pods
 
 
 def _has_libtpu() -> bool:
