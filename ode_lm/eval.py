@@ -76,7 +76,7 @@ class EvalRun:
                     for b in make_eval_iterator(self.data_config, split))
 
         return Evaluator(self.spec, batches, model_num_steps=self.model_config.num_steps,
-                         model_rtol=self.model_config.rtol,
+                         model_solver=self.model_config.solver, model_rtol=self.model_config.rtol,
                          what=f"split {split!r} of {self.data_config.data_dir}")
 
     def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
@@ -124,7 +124,9 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
                  atol: float | None = None) -> dict[str, float]:
     """{'step', 'eval/loss', 'eval/perplexity', 'eval/nfe', 'eval/loss@steps=M', ...,
     'eval/tokens'} for a saved run, named as the trainer names them
-    (``training.evaluation``: no suffix at the model's own N, '@<solver>:rtol=<r>' adaptive)."""
+    (``training.evaluation.metric_suffix``: no suffix at the model's own solver and N,
+    '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
+    adaptive)."""
     check_solver_flags(solver, rtol, atol)
     run = load_eval_run(model_dir, step)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)

@@ -87,3 +87,13 @@ def test_ints_widen_to_floats_and_lists_become_tuples():
     # every config's defaults pass their own check
     for name, config_cls in _configs().items():
         config_cls(**_REQUIRED.get(name, {}))
+
+
+def test_eval_solves_are_checked_when_the_config_is_built():
+    """A mistyped eval setting stops before training, naming the field and the value."""
+    from ode_lm.training.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match=r"^TrainConfig.eval_solves='rk4:step=8': expected"):
+        TrainConfig(model_dir="/x", num_train_steps=1, eval_solves=("rk4:step=8",))
+    cfg = TrainConfig(model_dir="/x", num_train_steps=1, eval_solves=["adaptive:rtol=1e-3"])
+    assert cfg.eval_solves == ("adaptive:rtol=1e-3",)

@@ -159,8 +159,9 @@ def test_adaptive_generation_equals_uncached_greedy():
 
 
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """A tiny trained run through the real trainer, on the byte-level built-in corpus."""
+def tiny_trained(tmp_path_factory):
+    """A tiny trained run through the real trainer, on the byte-level built-in corpus, its
+    final eval at N=2, 3 (its own), RK4 at N=3 and the adaptive solver: (model dir, result)."""
     from ode_lm.data import DataConfig
     from ode_lm.training.trainer import TrainConfig, Trainer
 
@@ -170,12 +171,18 @@ def tiny_run(tmp_path_factory):
     cfg = tiny_config(vocab_size=384, time_scale=4.0, time_max_period=100.0,
                       random_grid_offset=True)
     model_dir = str(root / "run")
-    Trainer(model_config=cfg, data_config=data,
-            train_config=TrainConfig(model_dir=model_dir, num_train_steps=3),
-            step_config=step_lib.StepConfig(num_steps_choices=(2, 3), kinetic_energy_weight=0.5),
-            devices=jax.devices()[:1],
-            operative_config=lambda: _operative_gin(data)).run()
-    return model_dir
+    train = TrainConfig(model_dir=model_dir, num_train_steps=3, eval_num_steps=(2,),
+                        eval_solves=("rk4:steps=3", "adaptive:rtol=1e-2"))
+    result = Trainer(
+        model_config=cfg, data_config=data, train_config=train,
+        step_config=step_lib.StepConfig(num_steps_choices=(2, 3), kinetic_energy_weight=0.5),
+        devices=jax.devices()[:1], operative_config=lambda: _operative_gin(data)).run()
+    return model_dir, result
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_trained):
+    return tiny_trained[0]
 
 
 def _operative_gin(data) -> str:
@@ -223,3 +230,27 @@ def test_eval_cli_adaptive_prints_perplexity_and_nfe(tiny_run, capsys):
     assert results["eval/nfe@adaptive:rtol=0.001"] >= 4
     assert main([f"--model_dir={tiny_run}", "--solver=adaptive", "--rtol=-1"]) == 1
     assert "--rtol=-1" in capsys.readouterr().err
+
+
+def test_final_eval_names_each_setting_and_the_summary_tables_them(tiny_trained, capsys):
+    """TrainConfig.eval_solves beside the depth sweep: every figure named by its solver and N
+    (plain only at the run's own), and ode_lm.train's summary shows them as one table."""
+    from ode_lm.train import report
+
+    _, result = tiny_trained
+    ev = result.eval
+    assert {k for k in ev if k.startswith("eval/perplexity")} == {
+        "eval/perplexity", "eval/perplexity@steps=2", "eval/perplexity@rk4:steps=3",
+        "eval/perplexity@adaptive:rtol=0.01"}
+    assert (ev["eval/nfe"], ev["eval/nfe@steps=2"], ev["eval/nfe@rk4:steps=3"]) == (3, 2, 12)
+    assert ev["eval/nfe@adaptive:rtol=0.01"] >= 4  # at least one bosh3 step (FSAL: 3 + 1)
+    assert report(result) == 0
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(out) if line.startswith("one set of weights"))
+    rows = [line.split() for line in out[start + 1:]]
+    assert [r[:2] for r in rows] == [["euler", "N=2"], ["euler", "N=3"], ["rk4", "N=3"],
+                                     ["adaptive", "rtol=0.01"]]
+    assert float(rows[1][2]) == pytest.approx(ev["eval/perplexity"], abs=0.051)
+    assert "(the run's own N)" in out[start + 2] and "mean NFE" in out[start + 4]
+    assert f"eval/loss: {ev['eval/loss']:.4f}" in out
+    assert not any(line.startswith(("eval/perplexity", "eval/nfe")) for line in out)

@@ -210,3 +210,57 @@ def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
         "eval/loss@dopri5:rtol=0.001", "eval/perplexity@dopri5:rtol=0.001",
         "eval/nfe@dopri5:rtol=0.001", "eval/tokens"}
     assert evaluation.metric_suffix(3, 4, "adaptive", 1e-2) == "@adaptive:rtol=0.01"
+
+
+def test_metric_suffix_names_the_solver_unless_it_is_the_runs_own():
+    """One function names every eval figure: plain only at the run's own solver and N."""
+    from ode_lm.training.evaluation import Evaluator, Solve, metric_suffix, parse_solve
+
+    def name(n, solver=None, rtol=None):
+        return metric_suffix(n, 6, solver, rtol, model_solver="euler")
+
+    assert name(None) == name(6) == name(6, "euler") == ""
+    assert name(4) == name(4, "euler") == "@steps=4"  # the TensorBoard names of today
+    assert name(6, "rk4") == name(None, "rk4") == "@rk4:steps=6"
+    assert name(4, "midpoint") == "@midpoint:steps=4"
+    assert name(None, "adaptive", 1e-3) == name(8, "adaptive", 1e-3) == "@adaptive:rtol=0.001"
+    # the words after '@' are the setting, read back by parse_solve (TrainConfig.eval_solves)
+    for words in ("rk4:steps=6", "midpoint:steps=2", "adaptive:rtol=0.001", "dopri5:rtol=1e-05"):
+        s = parse_solve(words)
+        assert name(s.num_steps, s.solver, s.rtol) == "@" + words
+    assert parse_solve("steps=4") == Solve(None, 4) and parse_solve("euler:steps=3").num_steps == 3
+    for bad, message in (("rk4:step=8", "expected '<solver>:steps=<N>'"),
+                         ("adaptive:steps=8", "expected"), ("steps=x", "expected"),
+                         ("rk5:steps=8", "solver 'rk5' is not one of"),
+                         ("euler:steps=0", "steps must be > 0"),
+                         ("adaptive:rtol=-1", "rtol must be > 0")):
+        with pytest.raises(ValueError, match=f"^flag={bad!r}: {message}"):
+            parse_solve(bad, "flag")
+    ev = Evaluator(None, lambda: [], model_num_steps=6, model_solver="euler", model_rtol=1e-3)
+    settings = ev.settings([Solve(), Solve("euler", 6), Solve(None, 4), Solve("rk4", 6),
+                            Solve("adaptive")])
+    assert settings == {"": Solve("euler", 6), "@steps=4": Solve("euler", 4),
+                        "@rk4:steps=6": Solve("rk4", 6),
+                        "@adaptive:rtol=0.001": Solve("adaptive", rtol=1e-3)}
+
+
+def test_depth_table_shows_each_setting_once_and_leaves_the_rest():
+    from ode_lm.training.evaluation import Solve, depth_table
+
+    results = {"eval/loss": 4.6, "eval/perplexity": 100.5, "eval/nfe": 6.0,
+               "eval/tokens": 20480.0, "eval/loss@steps=2": 7.8,
+               "eval/perplexity@steps=2": 2488.5, "eval/nfe@steps=2": 2.0,
+               "eval/loss@adaptive:rtol=0.001": 4.64,
+               "eval/perplexity@adaptive:rtol=0.001": 103.7,
+               "eval/nfe@adaptive:rtol=0.001": 43.2, "data/unigram_entropy": 6.37}
+    settings = {"": Solve("euler", 6), "@adaptive:rtol=0.001": Solve("adaptive", rtol=1e-3),
+                "@steps=2": Solve("euler", 2)}
+    lines, shown = depth_table(results, settings)
+    assert lines[0] == ("one set of weights, solved with N steps "
+                        "(validation perplexity over 20,480 tokens):")
+    assert [line.split()[:3] for line in lines[1:]] == [
+        ["euler", "N=2", "2488.5"], ["euler", "N=6", "100.5"], ["adaptive", "rtol=0.001", "103.7"]]
+    assert lines[2].endswith("(the run's own N)") and lines[3].endswith("mean NFE 43.2")
+    # the run's own loss and anything else stay lines of their own in the summary
+    assert set(results) - shown == {"eval/loss", "data/unigram_entropy"}
+    assert depth_table(results, {}) == ([], set())

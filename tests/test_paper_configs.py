@@ -30,12 +30,16 @@ RUNS = {
 }
 
 
-def _configs(gin_file: str, *extra: str):
+def _configs(gin_file: str, *more: str):
+    """(model, optimizer, data, TRAIN_STEPS, step) configs of ``gin_file`` then ``more``
+    (gin files, or flags)."""
+    extra = [m if m.startswith("--") else f"--gin_file={m}" for m in more]
     flags = gin_setup.parse_flags([f"--gin_file={gin_file}", *extra])
     try:
         gin_setup.parse_gin(flags)
         return (gin_setup.GinModelConfig(), gin_setup.GinOptimizerConfig(),
-                gin_setup.GinDataConfig(), gin.query_parameter("%TRAIN_STEPS"))
+                gin_setup.GinDataConfig(), gin.query_parameter("%TRAIN_STEPS"),
+                gin_setup.GinStepConfig())
     finally:
         gin.clear_config()
 
@@ -46,7 +50,7 @@ def test_paper_run_has_the_papers_values(run, vanilla):
     name = f"{run}_vanilla" if vanilla else run
     if not (PAPER / f"{name}.gin").exists():
         pytest.skip(f"{name}: no vanilla baseline in the paper's config")
-    model, opt, data, steps = _configs(f"runs/paper/{name}.gin")
+    model, opt, data, steps, step = _configs(f"runs/paper/{name}.gin")
     width, heads, n, d, s, seq, batch, num_steps, lr, wd, b2, eps, flavour = RUNS[run]
     assert (model.d_model, model.num_heads, model.time_embed_dim, model.sinusoidal_dim,
             model.max_seq_len, model.flavour) == (width, heads, d, s, seq, flavour)
@@ -57,7 +61,46 @@ def test_paper_run_has_the_papers_values(run, vanilla):
             opt.min_lr_ratio) == (lr, wd, 0.9, b2, eps, 1.0, 0.1)
     assert opt.warmup_steps == int(0.01 * num_steps)  # levanter's warmup_ratio 0.01
     assert model.dtype == "bfloat16" and model.solver == "euler"
-    assert (model.time_scale, model.time_max_period) == (1000.0, 10000.0)
+    assert _recipe(model, step) == RECIPES["paper"]
+
+
+# The knobs a recipe sets: time features, grid offset, random N, kinetic-energy weight.
+RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0),
+           "depth_robust": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0)}
+RECIPE_KNOBS = ("time_scale", "time_max_period", "random_grid_offset", "num_steps_choices",
+                "kinetic_energy_weight")
+
+
+def _recipe(model, step) -> tuple:
+    return (model.time_scale, model.time_max_period, model.random_grid_offset,
+            step.num_steps_choices, step.kinetic_energy_weight)
+
+
+@pytest.mark.parametrize("files, recipe", [
+    (["runs/demo.gin"], "depth_robust"),
+    (["runs/depth_demo.gin"], "depth_robust"),
+    (["runs/depth_demo_paper.gin"], "paper"),
+    (["runs/demo.gin", "recipes/paper.gin"], "paper"),  # one include turns a run into the paper's
+    (["runs/depth_demo_paper.gin", "recipes/depth_robust.gin"], "depth_robust"),
+])
+def test_runs_take_their_recipe_from_one_include(files, recipe):
+    model, _, _, _, step = _configs(*files)
+    assert _recipe(model, step) == RECIPES[recipe]
+    assert model.solver == "euler" and step.solver is None
+    if files == ["runs/demo.gin"]:  # the demo's own N is the middle of the drawn ones
+        assert model.num_steps == 6
+
+
+def test_recipe_knobs_are_bound_only_in_the_recipes():
+    """Runs include a recipe instead of repeating its knobs (one place says what each does)."""
+    configs = PAPER.parents[1]
+    for path in configs.rglob("*.gin"):
+        if path.parent.name == "recipes":
+            continue
+        bound = [line for line in path.read_text().splitlines()
+                 if any(line.startswith(f"{c}.{k}") for c in ("ModelConfig", "StepConfig")
+                        for k in RECIPE_KNOBS)]
+        assert not bound, (path, bound)
 
 
 def test_weight_decay_masks_follow_train_lm():

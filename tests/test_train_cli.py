@@ -259,5 +259,14 @@ def test_eval_cli_matches_training_eval_and_sweeps_depth(reference, capsys):
     assert abs(results["eval/loss"] - final_eval["eval/loss"]) < 1e-5
     assert abs(results["eval/loss@steps=4"] - final_eval["eval/loss@steps=4"]) < 1e-5
     assert results["eval/perplexity"] > 1.0 and results["eval/nfe@steps=4"] == 4.0
+    # another solver is named, at the run's own N too: never the trained Euler figure's key
+    assert main([f"--model_dir={reference}", "--num_steps=2,4", "--solver=rk4"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rk4 = json.loads(out[-1])
+    assert set(rk4) == {"step", "eval/tokens"} | {
+        f"eval/{m}@rk4:steps={n}" for m in ("loss", "perplexity", "nfe") for n in (2, 4)}
+    assert rk4["eval/nfe@rk4:steps=2"] == 8.0 and rk4["eval/tokens"] == results["eval/tokens"]
+    assert f"eval/perplexity@rk4:steps=2: {rk4['eval/perplexity@rk4:steps=2']:.4f}" in out
+    assert rk4["eval/loss@rk4:steps=2"] != results["eval/loss"]
     assert main([f"--model_dir={reference}", "--solver=rk5"]) == 1
     assert "--solver='rk5'" in capsys.readouterr().err

@@ -2,7 +2,9 @@
 
 ``architecture`` picks the family member (the DiffEqFormer ODE or a discrete baseline),
 ``flavour`` picks the block internals (GPT-2, Llama, Pythia/GPT-NeoX). ``num_steps`` is a
-*default* for the ODE solve: every forward call may override it.
+*default* for the ODE solve: every forward call may override it. The defaults are the
+paper's architecture and recipe (``configs/recipes/paper.gin`` pins them); a run that should
+hold at any N includes ``configs/recipes/depth_robust.gin``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class ModelConfig:
     sinusoidal_dim: int = 128  # S -> time features of size 2S+1
     # φ(t) frequencies time_scale·ω_k, ω_k = max_period^(−k/S): the paper's 1000 / 10⁴ give
     # periods far below dt (W(t) is only defined on the training grid); a scale of a few
-    # radians makes W(t) smooth on [0, 1] (see configs/runs/depth_demo.gin).
+    # radians makes W(t) smooth on [0, 1] (configs/recipes/depth_robust.gin).
     time_scale: float = 1000.0
     time_max_period: float = 10000.0
     time_dependent: bool = True  # False: autonomous weight-shared ODE (ablation)

@@ -1,21 +1,27 @@
-"""The eval of a run at one or several depths, shared by ``Trainer.evaluate`` and ``ode_lm.eval``.
+"""The eval of a run at one or several settings, shared by ``Trainer.evaluate`` and ``ode_lm.eval``.
 
-One naming for both, so a TensorBoard tag, a ``finetune_result.json`` key and the eval
-CLI's output mean the same thing:
+One naming for both (``metric_suffix``, the one function that names eval figures), so a
+TensorBoard tag, a ``metrics.jsonl`` key, a ``finetune_result.json`` key and the eval CLI's
+output mean the same thing. A figure is plain only at the run's own solver and N:
 
-* ``eval/loss``, ``eval/perplexity``, ``eval/nfe``: at the model's own number of ODE steps N
-  (``ModelConfig.num_steps``; asked for as ``None`` or as N itself);
-* ``eval/loss@steps=M`` (and ``perplexity``, ``nfe``): at any other M (a depth sweep);
+* ``eval/loss``, ``eval/perplexity``, ``eval/nfe``: the run's own solver
+  (``ModelConfig.solver``) at its own N (``ModelConfig.num_steps``; asked for as ``None`` or
+  as N itself);
+* ``eval/loss@steps=M`` (and ``perplexity``, ``nfe``): the run's own solver at another M;
+* ``eval/loss@<solver>:steps=M``: another fixed-grid solver, at any M (its own N included);
 * ``eval/loss@<solver>:rtol=<rtol>``: an adaptive solver (its number of steps is its own);
 * ``eval/tokens``: the token count of the split, once.
 
+A setting is a ``Solve``; ``parse_solve`` reads the same words the names write
+(``'rk4:steps=8'``, ``'adaptive:rtol=1e-3'``, ``'steps=8'``: ``TrainConfig.eval_solves``).
 The token-weighted loop itself is ``step.run_eval``; the eval steps are jitted once per
 (M, solver, rtol, atol) and kept, since the trainer evaluates every ``eval_every`` steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -24,29 +30,78 @@ from ode_lm.models import solvers as solvers_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.state import StateSpec
 
+SOLVE_FORMS = "'<solver>:steps=<N>', '<adaptive solver>:rtol=<r>' or 'steps=<N>'"
+
+
+@dataclasses.dataclass(frozen=True)
+class Solve:
+    """One eval setting: a fixed-grid solver at N steps, or an adaptive solver at a relative
+    tolerance; ``None`` fields are the run's own (its solver, N, rtol)."""
+
+    solver: str | None = None
+    num_steps: int | None = None
+    rtol: float | None = None
+
+    @property
+    def adaptive(self) -> bool:
+        return solvers_lib.is_adaptive(self.solver)
+
+
+def parse_solve(spec: str, what: str = "eval setting") -> Solve:
+    """``'rk4:steps=8'`` / ``'adaptive:rtol=1e-3'`` / ``'steps=8'`` (the run's solver) →
+    ``Solve``: the words a metric name writes after its ``@``. ``what`` names the flag."""
+    solver, _, setting = spec.rpartition(":")
+    key, eq, value = setting.partition("=")
+    bad = ValueError(f"{what}={spec!r}: expected {SOLVE_FORMS}")
+    if solver and solver not in solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS:
+        raise ValueError(f"{what}={spec!r}: solver {solver!r} is not one of "
+                         f"{solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS}")
+    adaptive = solvers_lib.is_adaptive(solver)
+    if not eq or key != ("rtol" if adaptive else "steps"):
+        raise bad
+    try:
+        number = float(value) if adaptive else int(value)
+    except ValueError:
+        raise bad from None
+    if not number > 0:
+        raise ValueError(f"{what}={spec!r}: {key} must be > 0")
+    return Solve(solver or None, rtol=number) if adaptive else Solve(solver or None, number)
+
 
 def metric_suffix(num_steps: int | None, model_num_steps: int | None, solver: str | None = None,
-                  rtol: float | None = None) -> str:
-    """'' at the model's own N, '@steps=M' at another M, '@<solver>:rtol=<r>' adaptive."""
+                  rtol: float | None = None, *, model_solver: str | None = None) -> str:
+    """What follows ``eval/loss`` in an eval figure's name: '' at the run's own solver
+    (``solver`` None or ``model_solver``) and N, '@steps=M' for its solver at another M,
+    '@<solver>:steps=M' for another fixed-grid solver, '@<solver>:rtol=<r>' adaptive."""
     if solvers_lib.is_adaptive(solver):
         return f"@{solver}:rtol={rtol:g}"
-    if num_steps is None or num_steps == model_num_steps:
-        return ""
-    return f"@steps={num_steps}"
+    n = model_num_steps if num_steps is None else num_steps
+    if solver is None or solver == model_solver:
+        return "" if n == model_num_steps else f"@steps={n}"
+    return f"@{solver}:steps={n}"
+
+
+def sweep_solves(num_steps: Sequence[int | None] = (None,), solver: str | None = None,
+                 rtol: float | None = None) -> list[Solve]:
+    """A depth sweep as settings: ``solver`` at each N (an adaptive solver: once, at rtol)."""
+    if solvers_lib.is_adaptive(solver):
+        return [Solve(solver, rtol=rtol)]
+    return [Solve(solver, n) for n in num_steps]
 
 
 class Evaluator:
     """``params`` → eval results over every batch of ``batches()`` (a fresh pass each call).
 
-    ``model_num_steps`` and ``model_rtol``: the model's own N and adaptive tolerance (what
-    ``None`` means), for the names.
+    ``model_num_steps``, ``model_solver`` and ``model_rtol``: the run's own N, solver and
+    adaptive tolerance (what ``None`` means), for the names.
     """
 
     def __init__(self, spec: StateSpec, batches: Callable[[], Iterable[dict]], *,
-                 model_num_steps: int | None, model_rtol: float | None = None,
-                 what: str = "the eval pipeline"):
+                 model_num_steps: int | None, model_solver: str | None = None,
+                 model_rtol: float | None = None, what: str = "the eval pipeline"):
         self.spec, self.batches, self.what = spec, batches, what
-        self.model_num_steps, self.model_rtol = model_num_steps, model_rtol
+        self.model_num_steps, self.model_solver = model_num_steps, model_solver
+        self.model_rtol = model_rtol
         self._steps: dict[tuple, Callable] = {}
 
     def result(self, params: Any, num_steps: int | None = None, solver: str | None = None, *,
@@ -59,21 +114,74 @@ class Evaluator:
         with jax.set_mesh(self.spec.mesh):
             return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what)
 
-    def sweep(self, params: Any, num_steps: Sequence[int | None] = (None,),
-              solver: str | None = None, *, rtol: float | None = None,
-              atol: float | None = None) -> dict[str, float]:
-        """The named results at each entry of ``num_steps`` (an adaptive solver: once);
-        an entry that names the model's own N twice is evaluated once."""
-        adaptive = solvers_lib.is_adaptive(solver)
+    def resolve(self, solve: Solve) -> Solve:
+        """``solve`` with the run's solver, N or rtol where it leaves them ``None``."""
+        solver = solve.solver or self.model_solver
+        if solvers_lib.is_adaptive(solver):
+            return Solve(solver, rtol=self.model_rtol if solve.rtol is None else solve.rtol)
+        return Solve(solver, self.model_num_steps if solve.num_steps is None else solve.num_steps)
+
+    def suffix(self, solve: Solve) -> str:
+        """The name suffix of ``solve`` (``metric_suffix`` with this run's own settings)."""
+        r = self.resolve(solve)
+        return metric_suffix(r.num_steps, self.model_num_steps, r.solver, r.rtol,
+                             model_solver=self.model_solver)
+
+    def settings(self, solves: Sequence[Solve]) -> dict[str, Solve]:
+        """suffix → resolved setting, in order, one entry per name (what ``evaluate`` runs)."""
+        named: dict[str, Solve] = {}
+        for solve in solves:
+            named.setdefault(self.suffix(solve), self.resolve(solve))
+        return named
+
+    def evaluate(self, params: Any, solves: Sequence[Solve], *,
+                 atol: float | None = None) -> dict[str, float]:
+        """The named results at each setting; settings with one name are evaluated once."""
         results: dict[str, float] = {}
-        for n in ([None] if adaptive else num_steps):
-            label = metric_suffix(n, self.model_num_steps, solver,
-                                  rtol if rtol is not None else self.model_rtol)
+        for solve in solves:
+            label = self.suffix(solve)
             if f"eval/loss{label}" in results:
                 continue
-            res = self.result(params, n, solver, rtol=rtol, atol=atol)
+            res = self.result(params, solve.num_steps, solve.solver,
+                              rtol=solve.rtol if solve.adaptive else None,
+                              atol=atol if solve.adaptive else None)
             results[f"eval/loss{label}"] = res.loss
             results[f"eval/perplexity{label}"] = res.perplexity
             results[f"eval/nfe{label}"] = res.nfe
             results.setdefault("eval/tokens", res.tokens)
         return results
+
+    def sweep(self, params: Any, num_steps: Sequence[int | None] = (None,),
+              solver: str | None = None, *, rtol: float | None = None,
+              atol: float | None = None) -> dict[str, float]:
+        """``evaluate`` at ``sweep_solves(num_steps, solver, rtol)``."""
+        return self.evaluate(params, sweep_solves(num_steps, solver, rtol), atol=atol)
+
+
+def depth_table(results: Mapping[str, float], settings: Mapping[str, Solve]
+                ) -> tuple[list[str], set[str]]:
+    """The run summary's table of validation perplexity at each evaluated setting (fixed
+    grids by solver then N, adaptive solvers last with their mean NFE), and the result
+    keys it shows; ``([], set())`` without settings."""
+    order = sorted(settings.items(), key=lambda kv: (kv[1].adaptive, kv[1].solver or "",
+                                                     kv[1].num_steps or 0, kv[1].rtol or 0.0))
+    rows, shown = [], {"eval/tokens"}
+    for suffix, solve in order:
+        ppl = results.get(f"eval/perplexity{suffix}")
+        if ppl is None:
+            continue
+        if solve.adaptive:
+            setting = f"rtol={solve.rtol:g}"
+            note = f"mean NFE {results[f'eval/nfe{suffix}']:.1f}"
+        else:
+            setting, note = f"N={solve.num_steps}", "(the run's own N)" if not suffix else ""
+        rows.append(f"  {solve.solver or '':<9} {setting:<11} {ppl:>9.1f}  {note}".rstrip())
+        shown |= {f"eval/perplexity{suffix}", f"eval/nfe{suffix}"}
+        if suffix:
+            shown.add(f"eval/loss{suffix}")
+    if not rows:
+        return [], set()
+    tokens = results.get("eval/tokens")
+    over = f" over {tokens:,.0f} tokens" if tokens is not None else ""
+    caption = f"one set of weights, solved with N steps (validation perplexity{over}):"
+    return [caption, *rows], shown

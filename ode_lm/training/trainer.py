@@ -28,7 +28,7 @@ from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
-from ode_lm.training.evaluation import Evaluator
+from ode_lm.training.evaluation import Evaluator, Solve, parse_solve, sweep_solves
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
 from ode_lm.training.run_dir import RunDir
 
@@ -46,6 +46,9 @@ class TrainConfig:
     eval_every: int = 0  # 0: evaluate only after the last step
     eval_num_steps: tuple[int, ...] = ()  # depth sweep: also eval at these ODE step counts
     eval_solver: str | None = None  # solver for the eval and the depth sweep (None: model's)
+    # more settings at every eval, in the words their names write after '@' (e.g. 'rk4:steps=8',
+    # 'adaptive:rtol=1e-3'; 'steps=8' is the model's own solver): training.evaluation.Solve
+    eval_solves: tuple[str, ...] = ()
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
     cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
     # lm-eval tasks (names or YAML files) run at each eval: lm_eval/<task>/<metric>
@@ -60,6 +63,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.num_train_steps={self.num_train_steps}: must be >= 1")
         if self.log_every < 1:
             raise ValueError(f"TrainConfig.log_every={self.log_every}: must be >= 1")
+        for spec in self.eval_solves:
+            parse_solve(spec, "TrainConfig.eval_solves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +87,8 @@ class TrainResult:
     last_loss: float | None
     eval: dict[str, float]
     preempted: bool = False
+    # the final eval's settings of an ODE model (name suffix -> Solve): the summary's table
+    eval_settings: dict[str, Solve] = dataclasses.field(default_factory=dict)
 
 
 # The input side, injectable so fine-tuning or tests can bring their own batches.
@@ -201,7 +208,13 @@ class Trainer:
         self.eval_data = eval_data or default_eval_data
         self.evaluator = Evaluator(
             self.spec, lambda: self.eval_data(self.data_config, self.mesh, self.rules),
-            model_num_steps=model_config.num_steps)
+            model_num_steps=model_config.num_steps, model_solver=model_config.solver)
+        # every eval: the model's own N and the depth sweep with eval_solver, then eval_solves
+        self.eval_solves = [*sweep_solves((None, *train_config.eval_num_steps),
+                                          train_config.eval_solver),
+                            *(parse_solve(s) for s in train_config.eval_solves)]
+        ode = model_config.architecture == "ode"  # a discrete model has no N to table
+        self.eval_settings = self.evaluator.settings(self.eval_solves) if ode else {}
         self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
 
     # ------------------------------------------------------------------ pieces
@@ -230,10 +243,10 @@ class Trainer:
         return data_iterator, batches
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
-        """The model's own N and the depth sweep, named as in ``training.evaluation``, plus
-        ``TrainConfig.lm_eval_tasks`` (``lm_eval/<task>/<metric>``)."""
-        results = self.evaluator.sweep(params, (None, *self.cfg.eval_num_steps),
-                                       self.cfg.eval_solver)
+        """The model's own N, the depth sweep and ``TrainConfig.eval_solves``, named as
+        in ``training.evaluation``, plus ``TrainConfig.lm_eval_tasks``
+        (``lm_eval/<task>/<metric>``)."""
+        results = self.evaluator.evaluate(params, self.eval_solves)
         results.update(training_metrics(self.cfg, self.spec, params, self.data_config))
         return results
 
@@ -277,7 +290,8 @@ class Trainer:
         reader = metrics_lib.StepReader(window, writer, self.print, log_every=cfg.log_every,
                             total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps)
         watcher = ckpt_lib.PreemptionWatcher().install()
-        result = TrainResult(cfg.model_dir, start, None, None, {})
+        result = TrainResult(cfg.model_dir, start, None, None, {},
+                             eval_settings=self.eval_settings)
         step = start
         try:
             with jax.set_mesh(self.mesh):
