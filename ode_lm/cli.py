@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -138,7 +139,7 @@ def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
     """The help of a gin CLI (train, finetune): its flags as argparse shows them. The flags
     themselves are read by ``training.gin_setup.parse_flags`` (``--gin.NAME=VALUE`` is not a
     flag argparse can parse)."""
-    p = ArgumentParser(prog=prog, description=description, epilog=example,
+    p = ArgumentParser(prog=prog, description=textwrap.fill(description, 88), epilog=example,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gin_file", metavar="FILE", action="append",
                    help="a gin config (repeatable; parsed in order, later values win; its "

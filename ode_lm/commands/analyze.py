@@ -25,7 +25,7 @@ def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
                            epilog="\n".join(__doc__.splitlines()[2:]),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=COMMANDS)
+    p.add_argument("command", choices=COMMANDS, help="the analysis to run")
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, help="output directory")
