@@ -32,8 +32,8 @@ COMMANDS: dict[str, Command] = {
                       "Hugging Face at M Euler steps"),
     "analyze": Command("ode_lm.commands.analyze", "trajectories, eigen-spectra, token Lyapunov "
                        "exponents of a trained model"),
-    "depth-report": Command("ode_lm.commands.depth_report", "perplexity at every step count and solver, "
-                            "W(t) smoothness"),
+    "depth-report": Command("ode_lm.commands.depth_report", "perplexity at every step count and "
+                            "solver, W(t) smoothness"),
     "aot": Command("ode_lm.commands.aot", "compile the train step for a TPU topology here: "
                    "memory fit, FLOPs, MFU"),
     "bench": Command("ode_lm.commands.bench", "time the train step: ODE vs vanilla, variants, "
