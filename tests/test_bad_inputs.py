@@ -187,7 +187,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "aot: missing gin file": (["aot", "--gin_file={WORK}/nope.gin", "--topology=v5e:2x2"],
                               "nope.gin", FAILED),
     "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", FAILED),
-    "aot: abbreviated flag": ([*AOT, "--topo=v5e:2x2"], "--topo=v5e:2x2", USAGE),
+    "aot: abbreviated flag": ([*AOT, "--topology=v5e:2x2", "--step=1"], "--step=1", USAGE),
     # bench, sweep, scaling-report
     "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),
     "bench: steps not a number": (["bench", "--steps=few"], "argument --steps: invalid int",
