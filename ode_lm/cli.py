@@ -162,10 +162,13 @@ def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
 def _gin_help(parser: ArgumentParser, argv: list[str], prog: str, verbose: bool) -> int:
     """``--help``: the parser's help; with --gin_file also the macros those files (their
     includes, and the command line's bindings) define, with their values."""
+    text = parser.format_help()
+    if not any(a.startswith("--gin_file") for a in argv):  # no files: no gin (nor jax) import
+        print(text, end="")
+        return 0
     from ode_lm.training import gin_setup
 
     flags = gin_setup.parse_flags([a for a in argv if a not in ("-h", "--help")])
-    text = parser.format_help()
     if flags.files:
         gin_setup.parse_gin(flags)
         macros = gin_setup.macro_values()

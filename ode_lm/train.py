@@ -41,9 +41,12 @@ def report(result) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-train") -> int:
-    from ode_lm.training import gin_setup
+    def entry():
+        from ode_lm.training import gin_setup  # imported once the flags parse (not for --help)
 
-    return run_gin_cli(argv, prog=prog, entry=gin_setup.train, report=report,
+        return gin_setup.train()
+
+    return run_gin_cli(argv, prog=prog, entry=entry, report=report,
                        description=DESCRIPTION, example=EXAMPLE)
 
 
