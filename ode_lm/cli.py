@@ -1,8 +1,11 @@
 """What every ode-lm CLI shares: one-line errors, logging set-up and the gin CLI runner.
 
-A user error (bad flag, gin typo, bad value, missing file ...) ends a CLI with exit code 1 and
-exactly one line ``<prog>: error: <message>`` on stderr. ``--verbose`` (or
-``ODE_LM_DEBUG=1``, which also re-raises for the traceback) keeps gin's full message.
+A user error ends a command with exactly one line ``<prog>: error: <message>`` on stderr and
+exit status 2 for a command line that does not parse (unknown or abbreviated flag, missing
+required flag, a value of the wrong type, a gin flag that does not parse, no --gin_file) or 1
+for a run that fails (missing or bad file, bad value inside a config, a failed run).
+``--verbose`` (or ``ODE_LM_DEBUG=1``, which also re-raises for the traceback) keeps gin's full
+message.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -31,19 +35,51 @@ def one_line(e: BaseException, verbose: bool = False) -> str:
     return text or type(e).__name__
 
 
-def user_errors() -> tuple[type[BaseException], ...]:
-    """The exception types a CLI reports as one line (anything else is a bug: traceback)."""
-    from ode_lm.data.prepare import PreparedDataError
+EXIT_FAILURE = 1  # the run failed: bad file, bad value inside a config, failed run
+EXIT_USAGE = 2  # the command line does not parse
 
+
+class UsageError(ValueError):
+    """A command line that does not parse (exit 2), as against a run that fails (exit 1)."""
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types a CLI reports as one line (anything else is a bug: traceback).
+    ImportError: an optional extra that is not installed (``.[hf]``, ``.[lmeval]``)."""
     return (ValueError, TypeError, OSError, RuntimeError, KeyError, FloatingPointError,
-            SyntaxError, PreparedDataError)
+            SyntaxError, ImportError)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the one-line error of every ode-lm CLI (no usage block before it)."""
+    """argparse with the one-line error of every ode-lm CLI (no usage block before it) and
+    no abbreviated flags (``--num_step`` is not ``--num_steps``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _list_type(item: Callable[[str], Any], name: str) -> Callable[[str], list[Any]]:
+    def parse(text: str) -> list[Any]:
+        values = []
+        for part in text.split(","):
+            try:
+                values.append(item(part.strip()))
+            except ValueError:
+                where = f" (in {text!r})" if "," in text else ""
+                raise argparse.ArgumentTypeError(
+                    f"invalid {name} value: {part.strip()!r}{where}") from None
+        return values
+
+    parse.__name__ = f"{name} list"
+    return parse
+
+
+int_list = _list_type(int, "int")  # argparse type for '2,4,8'; the error names flag and entry
+float_list = _list_type(float, "float")
 
 
 def debug() -> bool:
@@ -78,20 +114,80 @@ def pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
     return rest, len(rest) != len(argv) or debug()
 
 
-def report_error(prog: str, e: BaseException, verbose: bool) -> int:
+def report_error(prog: str, e: BaseException, verbose: bool = False) -> int:
+    """The one error line on stderr; the exit status: 2 for a UsageError, else 1."""
     if debug():
         raise e
+    if isinstance(e, UsageError):
+        print(f"{prog}: error: {one_line(e, verbose)} (see --help)", file=sys.stderr)
+        return EXIT_USAGE
     print(f"{prog}: error: {one_line(e, verbose)}", file=sys.stderr)
-    return 1
+    return EXIT_FAILURE
+
+
+def run_command(prog: str, body: Callable[[], int | None], *, verbose: bool = False,
+                errors: tuple[type[BaseException], ...] = ()) -> int:
+    """The one error wrapper of every command: ``body()``'s exit status, or, for a user error
+    (``user_errors()`` plus ``errors``), one line on stderr and 2 (usage) or 1 (run time)."""
+    try:
+        return int(body() or 0)
+    except (*user_errors(), *errors) as e:
+        return report_error(prog, e, verbose)
+
+
+def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
+    """The help of a gin CLI (train, finetune): its flags as argparse shows them. The flags
+    themselves are read by ``training.gin_setup.parse_flags`` (``--gin.NAME=VALUE`` is not a
+    flag argparse can parse)."""
+    p = ArgumentParser(prog=prog, description=textwrap.fill(description, 88), epilog=example,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gin_file", metavar="FILE", action="append",
+                   help="a gin config (repeatable; parsed in order, later values win; its "
+                        "'include' lines are followed); looked up as given, then in "
+                        "--gin_search_paths and the package's configs/. With --help: also "
+                        "list the macros the files define")
+    p.add_argument("--gin.NAME=VALUE", dest="gin_shorthand", action="store_true",
+                   help="bind a macro (--gin.TRAIN_STEPS=100) or a parameter "
+                        "(--gin.ModelConfig.solver=rk4) after the files; a bare word VALUE is "
+                        "a string")
+    p.add_argument("--gin_bindings", metavar="'A.b = v'", action="append",
+                   help="a gin binding line (repeatable), after the files")
+    p.add_argument("--gin_search_paths", metavar="DIR,...",
+                   help="more directories to look up --gin_file and 'include' in")
+    p.add_argument("--verbose", action="store_true",
+                   help="debug logging, and gin's full error text (ODE_LM_DEBUG=1: traceback)")
+    return p
+
+
+def _gin_help(parser: ArgumentParser, argv: list[str], prog: str, verbose: bool) -> int:
+    """``--help``: the parser's help; with --gin_file also the macros those files (their
+    includes, and the command line's bindings) define, with their values."""
+    text = parser.format_help()
+    if not any(a.startswith("--gin_file") for a in argv):  # no files: no gin (nor jax) import
+        print(text, end="")
+        return 0
+    from ode_lm.training import gin_setup
+
+    flags = gin_setup.parse_flags([a for a in argv if a not in ("-h", "--help")])
+    if flags.files:
+        gin_setup.parse_gin(flags)
+        macros = gin_setup.macro_values()
+        width = max((len(k) for k in macros), default=0)
+        lines = [f"  {name:<{width}} = {value}" for name, value in macros.items()]
+        text += (f"\nmacros of {', '.join(flags.files)} (set one with --gin.NAME=VALUE):\n"
+                 + ("\n".join(lines) if lines else "  (none)") + "\n")
+    print(text, end="")
+    return 0
 
 
 def run_gin_cli(
     argv: Sequence[str] | None,
     *,
     prog: str,
-    usage: str,
     entry: Callable[[], Any],
     report: Callable[[Any], int],
+    description: str = "",
+    example: str = "",
     require_files: bool = False,
 ) -> int:
     """The gin CLIs (train, finetune): flags → gin → checks → multi-host join → ``entry()``.
@@ -101,19 +197,19 @@ def run_gin_cli(
     result ``report`` prints. Leave through :func:`main_exit`.
     """
     argv, verbose = pop_verbose(list(sys.argv[1:] if argv is None else argv))
-    if any(a in ("-h", "--help") for a in argv):
-        print(usage)
-        return 0
     setup_logging(verbose)
+    if any(a in ("-h", "--help") for a in argv):
+        parser = gin_parser(prog, description, example)
+        return run_command(prog, lambda: _gin_help(parser, argv, prog, verbose), verbose=verbose)
     from ode_lm import distributed
     from ode_lm.training import gin_setup
 
     try:
         flags = gin_setup.parse_flags(argv)
         if flags.rest:
-            raise ValueError(f"unknown flag {flags.rest[0]!r}; {usage}")
+            raise UsageError(f"unknown flag {flags.rest[0]!r}")
         if not flags.files and (require_files or not flags.bindings):
-            raise ValueError(f"no configuration given (--gin_file=...); {usage}")
+            raise UsageError("no configuration given: pass --gin_file=FILE")
         gin_setup.parse_gin(flags)
         gin_setup.check_cli_macros(flags)
         # Multi-host: joins the job before any JAX computation (auto on TPU pods; explicit

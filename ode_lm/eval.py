@@ -1,4 +1,4 @@
-"""``python -m ode_lm.eval --model_dir=DIR [--num_steps=M[,M2...]] [--solver=rk4] [--step=S]``.
+"""``ode-lm eval --model_dir=DIR [--num_steps=M[,M2...]] [--solver=rk4] [--step=S]``.
 
 Evaluates a saved run on its validation split: exact token-weighted loss and perplexity,
 at the trained number of ODE steps or any others (a depth sweep) with any solver, or with an
@@ -21,13 +21,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from ode_lm import cli
-from ode_lm.train import one_line, setup_logging, user_errors
+
+DESCRIPTION = ("Evaluate a saved run on its validation split (loss, perplexity; NFE for "
+               "adaptive solvers) at any number of ODE steps and solver, or on lm-eval tasks.")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = cli.ArgumentParser(prog="ode-lm-eval", description=__doc__.splitlines()[0])
+def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Namespace:
+    p = cli.ArgumentParser(prog=prog, description=DESCRIPTION)
     p.add_argument("--model_dir", required=True)
-    p.add_argument("--num_steps", default=None,
+    p.add_argument("--num_steps", type=cli.int_list, default=None,
                    help="ODE steps, comma-separated for a sweep (default: the model's)")
     p.add_argument("--solver", default=None,
                    help="euler | midpoint | rk4 | adaptive (bosh3) | dopri5 (default: the model's)")
@@ -149,24 +151,23 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
         num_fewshot=args.lm_eval_num_fewshot)}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    setup_logging()
-    try:
-        steps = [None] if not args.num_steps else [int(s) for s in args.num_steps.split(",")]
-        if any(s is not None and s < 1 for s in steps):
-            raise ValueError(f"--num_steps={args.num_steps}: every entry must be >= 1")
-        results = lm_eval_run(args, steps) if args.lm_eval_tasks else evaluate_run(
-            args.model_dir, steps, args.solver, args.step, args.split, args.rtol, args.atol)
-    except user_errors() as e:
-        if os.environ.get("ODE_LM_DEBUG"):
-            raise
-        print(f"ode-lm-eval: error: {one_line(e)}", file=sys.stderr)
-        return 1
+def run(args: argparse.Namespace) -> int:
+    steps = args.num_steps or [None]
+    if any(s is not None and s < 1 for s in steps):
+        flag = ",".join(map(str, args.num_steps))
+        raise ValueError(f"--num_steps={flag}: every entry must be >= 1")
+    results = lm_eval_run(args, steps) if args.lm_eval_tasks else evaluate_run(
+        args.model_dir, steps, args.solver, args.step, args.split, args.rtol, args.atol)
     for k, v in results.items():
         print(f"{k}: {v:.4f}")
     print(json.dumps(results))
     return 0
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-eval") -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv), prog)
+    cli.setup_logging()
+    return cli.run_command(prog, lambda: run(args))
 
 
 if __name__ == "__main__":

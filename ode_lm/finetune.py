@@ -211,8 +211,15 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     return result, info
 
 
-USAGE = ("usage: python -m ode_lm.finetune --gin_file=configs/finetune/X.gin "
-         "[--gin.PRETRAINED_DIR=...] [--gin.FINETUNE_STEPS=M] [--gin.METHOD=full|lora] [--verbose]")
+DESCRIPTION = (
+    "Fine-tune a pretrained run at another depth M (FINETUNE_STEPS), fully or with LoRA "
+    "(METHOD), as a continuous ODE or materialised into M layers (FinetuneConfig.mode); "
+    "the pretrained run is PRETRAINED_DIR, the new one MODEL_DIR."
+)
+EXAMPLE = """examples:
+  ode-lm finetune --gin_file=configs/finetune/demo.gin --gin.PRETRAINED_DIR=/tmp/run \\
+      --gin.MODEL_DIR=/tmp/ft --gin.FINETUNE_STEPS=6 --gin.METHOD=lora
+  ode-lm finetune --gin_file=configs/finetune/demo.gin --help    # also lists its macros"""
 
 
 def _report(outcome) -> int:
@@ -222,12 +229,12 @@ def _report(outcome) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-finetune") -> int:
     """Same runner as ode_lm.train: gin checks, then the multi-host join, then the run."""
     from ode_lm.cli import run_gin_cli
 
-    return run_gin_cli(argv, prog="ode-lm-finetune", usage=USAGE, entry=run_finetune,
-                       report=_report, require_files=True)
+    return run_gin_cli(argv, prog=prog, entry=run_finetune, report=_report,
+                       description=DESCRIPTION, example=EXAMPLE, require_files=True)
 
 
 if __name__ == "__main__":

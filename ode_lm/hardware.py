@@ -1,7 +1,7 @@
 """Per-chip accelerator facts: THE one table of peak FLOP/s, HBM and interconnect bandwidth.
 
 Read by the trainer's MFU (``ode_lm.training.metrics``) and by the TPU AOT report
-(``tools/aot_compile.py``: memory fit and the roofline estimate). Public vendor figures:
+(``ode-lm aot``: memory fit and the roofline estimate). Public vendor figures:
 Cloud TPU system-architecture pages (v4, v5e, v5p, v6e) and NVIDIA data sheets (SXM parts).
 ICI bandwidth is the chip's total interconnect bandwidth (all links, both directions, as
 the vendors quote it); for GPUs it is NVLink.

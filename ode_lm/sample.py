@@ -1,4 +1,4 @@
-"""``python -m ode_lm.sample --model_dir=RUN --prompt="..." [--num_steps=M] ...``.
+"""``ode-lm sample --model_dir=RUN --prompt="..." [--num_steps=M] ...``.
 
 Text generation from a training or fine-tuning run (LoRA merged), with a KV cache per ODE
 solver evaluation (see ode_lm/generation.py). Several ``--prompt`` flags form one batch.
@@ -18,8 +18,8 @@ from ode_lm import cli
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = cli.ArgumentParser(prog="python -m ode_lm.sample", description=__doc__.split("\n")[2])
+def parse_args(argv: Sequence[str], prog: str = "ode-lm-sample") -> argparse.Namespace:
+    p = cli.ArgumentParser(prog=prog, description=__doc__.split("\n")[2])
     p.add_argument("--model_dir", required=True)
     p.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
     p.add_argument("--num_steps", type=int, default=None, help="ODE solver steps M")
@@ -89,16 +89,14 @@ def run(args: argparse.Namespace) -> list[str]:
     return texts
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-sample") -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+
+    def body() -> int:
         run(args)
-    except (ValueError, TypeError, OSError) as e:
-        if os.environ.get("ODE_LM_DEBUG"):
-            raise
-        print(f"ode-lm-sample: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    return 0
+        return 0
+
+    return cli.run_command(prog, body)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
-"""``python -m ode_lm.train --gin_file=configs/runs/demo.gin [--gin.NAME=VALUE ...]``.
+"""``ode-lm train --gin_file=configs/runs/demo.gin [--gin.NAME=VALUE ...]``
+(also ``python -m ode_lm.train``, ``ode-lm-train``).
 
-Thin CLI: flags → gin → :func:`ode_lm.training.gin_setup.train`. User errors (bad gin,
-bad mesh, bad MODEL_DIR, incompatible checkpoint ...) print one line and exit 1.
+Thin CLI: flags → gin → :func:`ode_lm.training.gin_setup.train`. User errors print one line
+and exit 2 (a command line that does not parse) or 1 (bad gin value, bad mesh, bad MODEL_DIR,
+incompatible checkpoint ...).
 """
 
 from __future__ import annotations
@@ -9,13 +11,16 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-# one_line / setup_logging / user_errors are imported from here by the other CLIs
-from ode_lm.cli import main_exit, one_line, run_gin_cli, setup_logging, user_errors  # noqa: F401
+from ode_lm.cli import main_exit, run_gin_cli
 
-USAGE = (
-    "usage: python -m ode_lm.train --gin_file=FILE [--gin_file=...] [--gin.NAME=VALUE ...] "
-    "[--gin_bindings='A.b = v'] [--gin_search_paths=DIR,...] [--verbose]"
+DESCRIPTION = (
+    "Pretrain a model from gin configs: mesh, model, data, optimizer, checkpoints and metrics "
+    "all come from the files (configs/runs/*.gin). Resumes from MODEL_DIR's latest checkpoint."
 )
+EXAMPLE = """examples:
+  ode-lm train --gin_file=configs/runs/demo.gin
+  ode-lm train --gin_file=configs/runs/demo.gin --gin.TRAIN_STEPS=100 --gin.MODEL_DIR=/tmp/run
+  ode-lm train --gin_file=configs/runs/demo.gin --help    # also lists the macros it defines"""
 
 
 def report(result) -> int:
@@ -39,9 +44,13 @@ def report(result) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-train") -> int:
-    from ode_lm.training import gin_setup
+    def entry():
+        from ode_lm.training import gin_setup  # imported once the flags parse (not for --help)
 
-    return run_gin_cli(argv, prog=prog, usage=USAGE, entry=gin_setup.train, report=report)
+        return gin_setup.train()
+
+    return run_gin_cli(argv, prog=prog, entry=entry, report=report,
+                       description=DESCRIPTION, example=EXAMPLE)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
-"""tools/analyze.py end to end on checkpoints in the trainer's format, and its output files."""
+"""ode-lm analyze end to end on checkpoints in the trainer's format, and its output files."""
 
 import pathlib
-import runpy
 import zipfile
 
 import numpy as np
@@ -13,7 +12,9 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _analyze():
-    return runpy.run_path(str(REPO / "tools" / "analyze.py"))["main"]
+    from ode_lm.commands.analyze import main
+
+    return main
 
 
 def _save_run(model_dir: pathlib.Path, config: ModelConfig) -> None:

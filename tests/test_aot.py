@@ -1,4 +1,4 @@
-"""tools/aot_compile.py: topology names, clear errors, and a real TPU compile (with libtpu)."""
+"""ode-lm aot: topology names, clear errors, and a real TPU compile (with libtpu)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
+from ode_lm.commands import aot as aot_compile
 
-import aot_compile  # noqa: E402
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 GiB = 1024**3
 
@@ -77,26 +76,26 @@ def test_num_slices_must_be_positive():
 
 def run_tool(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, str(REPO / "tools" / "aot_compile.py"), *args],
+    return subprocess.run([sys.executable, "-m", "ode_lm", "aot", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 TINY = ["--gin_file=configs/models/tiny.gin", "--gin_file=configs/data/builtin.gin"]
 
 
-def test_cli_unknown_topology_exits_2():
+def test_cli_unknown_topology_exits_1():
     r = run_tool(*TINY, "--topology=v9-64")
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == (
-        "aot_compile.py: error: --topology='v9-64': unknown TPU generation 'v9' "
+        "ode-lm aot: error: --topology='v9-64': unknown TPU generation 'v9' "
         "(v4, v5e, v5p, v6e)")
 
 
-def test_cli_json_into_a_missing_directory_exits_2(tmp_path):
+def test_cli_json_into_a_missing_directory_exits_1(tmp_path):
     r = run_tool(*TINY, "--topology=v5e:2x2", f"--json={tmp_path}/no/such/report.json")
-    assert r.returncode == 2
+    assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == (
-        f"aot_compile.py: error: --json={tmp_path}/no/such/report.json: no such directory")
+        f"ode-lm aot: error: --json={tmp_path}/no/such/report.json: no such directory")
 
 
 def test_vanilla_of_a_discrete_model_is_a_clear_error():
@@ -109,9 +108,9 @@ def test_vanilla_of_a_discrete_model_is_a_clear_error():
 @needs_libtpu
 def test_mesh_that_does_not_match_the_topology():
     r = run_tool(*TINY, "--topology=v5e:2x2", "--gin.MeshConfig.ici_parallelism=(1, 8, 1)")
-    assert r.returncode == 2
+    assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("aot_compile.py: error: MeshConfig does not match "
+    assert last.startswith("ode-lm aot: error: MeshConfig does not match "
                            "--topology=v5e:2x2 (4 chips in 1 slice(s))")
     assert "(1, 8, 1)" in last
 
@@ -158,7 +157,7 @@ def test_a_batch_too_big_for_hbm_exits_1():
     r = run_tool(*TINY, "--topology=v5e:2x2", "--global_batch=65536")
     assert r.returncode == 1, r.stdout + r.stderr[-3000:]
     assert "fits         NO" in r.stdout
-    assert "aot_compile.py: does not fit: the train step needs" in r.stderr
+    assert "ode-lm aot: does not fit: the train step needs" in r.stderr
     assert "on v5e:2x2 (16 GiB HBM)" in r.stderr
 
 

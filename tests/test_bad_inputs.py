@@ -1,4 +1,5 @@
-"""Bad input to every CLI: exit non-zero, one line on stderr naming the flag, file or value,
+"""Bad input to every ode-lm command: exit 2 (the command line does not parse) or 1 (the run
+failed), one line `ode-lm <command>: error: ...` on stderr naming the flag, file or value,
 no traceback, and an existing MODEL_DIR and DATA_DIR byte-for-byte unchanged.
 
 Each case is a real subprocess (what a user sees, C++ and absl output included) against one
@@ -37,6 +38,16 @@ def _run(workdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+def _ode_lm(workdir: Path, argv: list[str], script: str | None = None
+            ) -> subprocess.CompletedProcess:
+    """``python -m ode_lm <argv>``, or the installed ``ode-lm`` script (importing this
+    checkout's package through PYTHONPATH)."""
+    env = _env(workdir)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [script, *argv] if script else [sys.executable, "-m", "ode_lm", *argv]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
 def tree_hash(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file, and '<dir>' for every directory."""
     out = {}
@@ -59,111 +70,166 @@ def run_dirs(tmp_path_factory) -> dict[str, Path]:
     return {"WORK": work, "MODEL": model, "DATA": data, "GIN": gin_file}
 
 
-TRAIN = ["-m", "ode_lm.train", "--gin_file={GIN}"]
-EVAL = ["-m", "ode_lm.eval", "--model_dir={MODEL}"]
-SAMPLE = ["-m", "ode_lm.sample", "--model_dir={MODEL}", "--prompt=The", "--no_timing",
-          "--max_new_tokens=4"]
-FINETUNE = ["-m", "ode_lm.finetune", "--gin_file=configs/finetune/demo.gin",
+TRAIN = ["train", "--gin_file={GIN}"]
+EVAL = ["eval", "--model_dir={MODEL}"]
+SAMPLE = ["sample", "--model_dir={MODEL}", "--prompt=The", "--no_timing", "--max_new_tokens=4"]
+FINETUNE = ["finetune", "--gin_file=configs/finetune/demo.gin",
             "--gin.PRETRAINED_DIR={MODEL}", "--gin.MODEL_DIR={WORK}/ft_new"]
-PREPARE = ["tools/prepare_data.py", "--no_progress"]
-CONVERT = ["tools/convert_ckpt.py", "--model_dir={MODEL}", "--out={WORK}/export_new"]
-ANALYZE = ["tools/analyze.py", "--model_dir={MODEL}", "--out={WORK}/analysis_new",
-           "--text=The ODE", "--data_dir={DATA}"]
-AOT = ["tools/aot_compile.py", "--gin_file=configs/runs/demo.gin"]
+PREPARE = ["prepare", "--no_progress"]
+EXPORT = ["export", "--model_dir={MODEL}", "--out={WORK}/export_new"]
+ANALYZE = ["analyze", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--text=The ODE",
+           "--data_dir={DATA}"]
+AOT = ["aot", "--gin_file=configs/runs/demo.gin"]
+USAGE, FAILED = 2, 1  # exit status: the command line does not parse / the run failed
 
-# case id -> (argv, text the one error line must contain)
-CASES: dict[str, tuple[list[str], str]] = {
+# case id -> (ode-lm argv, text the one error line must contain, exit status)
+CASES: dict[str, tuple[list[str], str, int]] = {
+    # the dispatcher
+    "ode-lm: unknown command": (["bogus"], "unknown command 'bogus' (see ode-lm --help)", USAGE),
     # train
-    "train: missing gin file": (["-m", "ode_lm.train", "--gin_file={WORK}/missing.gin"],
-                                "missing.gin"),
-    "train: misspelled macro": ([*TRAIN, "--gin.ODE_STEP=8"], "ODE_STEP"),
-    "train: float step count": ([*TRAIN, "--gin.TRAIN_STEPS=1.5"], "num_train_steps=1.5"),
-    "train: zero step count": ([*TRAIN, "--gin.TRAIN_STEPS=0"], "num_train_steps=0"),
-    "train: unknown solver": ([*TRAIN, "--gin.ModelConfig.solver='rk5'"], "rk5"),
-    "train: unknown flag": ([*TRAIN, "--bogus_flag"], "--bogus_flag"),
+    "train: no gin file": (["train"], "--gin_file", USAGE),
+    "train: missing gin file": (["train", "--gin_file={WORK}/missing.gin"], "missing.gin",
+                                FAILED),
+    "train: misspelled macro": ([*TRAIN, "--gin.ODE_STEP=8"], "ODE_STEP", FAILED),
+    "train: float step count": ([*TRAIN, "--gin.TRAIN_STEPS=1.5"], "num_train_steps=1.5",
+                                FAILED),
+    "train: zero step count": ([*TRAIN, "--gin.TRAIN_STEPS=0"], "num_train_steps=0", FAILED),
+    "train: unknown solver": ([*TRAIN, "--gin.ModelConfig.solver='rk5'"], "rk5", FAILED),
+    "train: unknown flag": ([*TRAIN, "--bogus_flag"], "--bogus_flag", USAGE),
+    "train: abbreviated flag": ([*TRAIN, "--gin_bind=x = 1"], "--gin_bind", USAGE),
     "train: bad step choices": ([*TRAIN, "--gin.StepConfig.num_steps_choices=(0, 2)"],
-                                "num_steps_choices"),
-    "train: changed width on a run": ([*TRAIN, "--gin.D_MODEL=64"], "block/"),
-    "train: batch not divisible": ([*TRAIN, "--gin.BATCH_SIZE=6"], "global_batch_size=6"),
-    "train: sequence too long": ([*TRAIN, "--gin.DataConfig.seq_len=4096"], "seq_len"),
+                                "num_steps_choices", FAILED),
+    "train: changed width on a run": ([*TRAIN, "--gin.D_MODEL=64"], "block/", FAILED),
+    "train: batch not divisible": ([*TRAIN, "--gin.BATCH_SIZE=6"], "global_batch_size=6",
+                                   FAILED),
+    "train: sequence too long": ([*TRAIN, "--gin.DataConfig.seq_len=4096"], "seq_len", FAILED),
     "train: data dir prepared with another holdout": (
-        [*TRAIN, "--gin.DataConfig.holdout_fraction=0.5"], "holdout_fraction"),
-    "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128"),
+        [*TRAIN, "--gin.DataConfig.holdout_fraction=0.5"], "holdout_fraction", FAILED),
+    "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128",
+                                                     FAILED),
     "train: binding syntax": ([*TRAIN, "--gin_bindings=ModelConfig.d_model = = 3"],
-                              "ModelConfig.d_model"),
+                              "ModelConfig.d_model", USAGE),
     "train: unclosed bracket": ([*TRAIN, "--gin.MeshConfig.ici_parallelism=(1, -1"],
-                                "--gin.MeshConfig.ici_parallelism"),
+                                "--gin.MeshConfig.ici_parallelism", USAGE),
     # eval
-    "eval: no such run": (["-m", "ode_lm.eval", "--model_dir={WORK}/nope"], "nope"),
-    "eval: zero steps": ([*EVAL, "--num_steps=0"], "--num_steps=0"),
-    "eval: steps not a number": ([*EVAL, "--num_steps=abc"], "abc"),
-    "eval: unknown solver": ([*EVAL, "--solver=rk5"], "rk5"),
-    "eval: negative rtol": ([*EVAL, "--solver=adaptive", "--rtol=-1"], "rtol"),
-    "eval: no such step": ([*EVAL, "--step=999"], "999"),
-    "eval: unknown split": ([*EVAL, "--split=bogus"], "bogus"),
-    "eval: empty lm-eval task": ([*EVAL, "--lm_eval_tasks=a,,b"], "--lm_eval_tasks='a,,b'"),
+    "eval: no such run": (["eval", "--model_dir={WORK}/nope"], "nope", FAILED),
+    "eval: missing --model_dir": (["eval"], "--model_dir", USAGE),
+    "eval: zero steps": ([*EVAL, "--num_steps=0"], "--num_steps=0", FAILED),
+    "eval: steps not a number": ([*EVAL, "--num_steps=four"],
+                                 "argument --num_steps: invalid int value: 'four'", USAGE),
+    "eval: a step list entry not a number": (
+        [*EVAL, "--num_steps=2,x,8"], "argument --num_steps: invalid int value: 'x'", USAGE),
+    "eval: abbreviated flag": ([*EVAL, "--num_step=8"], "--num_step=8", USAGE),
+    "eval: rtol not a number": ([*EVAL, "--rtol=tiny"], "argument --rtol: invalid float value",
+                                USAGE),
+    "eval: unknown solver": ([*EVAL, "--solver=rk5"], "rk5", FAILED),
+    "eval: negative rtol": ([*EVAL, "--solver=adaptive", "--rtol=-1"], "rtol", FAILED),
+    "eval: no such step": ([*EVAL, "--step=999"], "999", FAILED),
+    "eval: unknown split": ([*EVAL, "--split=bogus"], "bogus", FAILED),
+    "eval: empty lm-eval task": ([*EVAL, "--lm_eval_tasks=a,,b"], "--lm_eval_tasks='a,,b'",
+                                 FAILED),
     "eval: no such lm-eval include path": (
         [*EVAL, "--lm_eval_tasks=x", "--lm_eval_include_path={WORK}/nope"],
-        "--lm_eval_include_path="),
+        "--lm_eval_include_path=", FAILED),
     # sample
-    "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0"),
-    "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature"),
-    "sample: no new tokens": ([*SAMPLE, "--max_new_tokens=0"], "max_new_tokens"),
-    "sample: unknown solver": ([*SAMPLE, "--solver=bogus"], "bogus"),
-    "sample: top_p above 1": ([*SAMPLE, "--top_p=2"], "top_p"),
+    "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0", FAILED),
+    "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature", FAILED),
+    "sample: no new tokens": ([*SAMPLE, "--max_new_tokens=0"], "max_new_tokens", FAILED),
+    "sample: unknown solver": ([*SAMPLE, "--solver=bogus"], "bogus", FAILED),
+    "sample: top_p above 1": ([*SAMPLE, "--top_p=2"], "top_p", FAILED),
+    "sample: abbreviated flag": ([*SAMPLE, "--temp=0"], "--temp=0", USAGE),
     # finetune
-    "finetune: no pretrained run": ([*FINETUNE, "--gin.PRETRAINED_DIR={WORK}/nope"], "nope"),
-    "finetune: zero steps": ([*FINETUNE, "--gin.FINETUNE_STEPS=0"], "FINETUNE_STEPS=0"),
-    "finetune: unknown method": ([*FINETUNE, "--gin.METHOD='qlora'"], "qlora"),
-    # prepare_data
+    "finetune: no pretrained run": ([*FINETUNE, "--gin.PRETRAINED_DIR={WORK}/nope"], "nope",
+                                    FAILED),
+    "finetune: zero steps": ([*FINETUNE, "--gin.FINETUNE_STEPS=0"], "FINETUNE_STEPS=0", FAILED),
+    "finetune: unknown method": ([*FINETUNE, "--gin.METHOD='qlora'"], "qlora", FAILED),
+    "finetune: no gin file": (["finetune", "--gin.METHOD=lora"], "--gin_file", USAGE),
+    # prepare
     "prepare: no such source": ([*PREPARE, "--source={WORK}/nope.jsonl",
-                                 "--data_dir={WORK}/data_new"], "nope.jsonl"),
+                                 "--data_dir={WORK}/data_new"], "nope.jsonl", FAILED),
     "prepare: hf:// source that is not a dataset repo": (
-        [*PREPARE, "--source=hf://openwebtext", "--data_dir={WORK}/data_new"], "hf://openwebtext"),
+        [*PREPARE, "--source=hf://openwebtext", "--data_dir={WORK}/data_new"], "hf://openwebtext",
+        FAILED),
     "prepare: unknown tokenizer": ([*PREPARE, "--tokenizer=nope:1",
-                                    "--data_dir={WORK}/data_new"], "nope:1"),
+                                    "--data_dir={WORK}/data_new"], "nope:1", FAILED),
     "prepare: holdout above 1": ([*PREPARE, "--holdout_fraction=1.5",
-                                  "--data_dir={WORK}/data_new"], "holdout_fraction"),
+                                  "--data_dir={WORK}/data_new"], "holdout_fraction", FAILED),
+    "prepare: holdout not a number": ([*PREPARE, "--holdout_fraction=half",
+                                       "--data_dir={WORK}/data_new"],
+                                      "argument --holdout_fraction: invalid float value", USAGE),
     "prepare: other tokenizer into a prepared dir": (
-        [*PREPARE, "--data_dir={DATA}", "--tokenizer=bpe:512"], "tokenizer"),
-    # convert_ckpt
-    "convert: unknown format": ([*CONVERT, "--format=onnx"], "onnx"),
-    "convert: out is not empty": (["tools/convert_ckpt.py", "--model_dir={MODEL}",
-                                   "--format=raw", "--out={DATA}"], "not empty"),
-    "convert: zero steps": ([*CONVERT, "--format=hf", "--num_steps=0"], "--num_steps=0"),
-    "convert: unknown dtype": ([*CONVERT, "--format=raw", "--dtype=fp16"], "fp16"),
-    "convert: data dir is not a run": (["tools/convert_ckpt.py", "--model_dir={DATA}",
-                                        "--format=raw", "--out={WORK}/export_new"], "data"),
+        [*PREPARE, "--data_dir={DATA}", "--tokenizer=bpe:512"], "tokenizer", FAILED),
+    # export
+    "export: unknown format": ([*EXPORT, "--format=onnx"], "onnx", FAILED),
+    "export: missing --format": (EXPORT, "--format", USAGE),
+    "export: out is not empty": (["export", "--model_dir={MODEL}", "--format=raw",
+                                  "--out={DATA}"], "not empty", FAILED),
+    "export: zero steps": ([*EXPORT, "--format=hf", "--num_steps=0"], "--num_steps=0", FAILED),
+    "export: unknown dtype": ([*EXPORT, "--format=raw", "--dtype=fp16"], "fp16", FAILED),
+    "export: data dir is not a run": (["export", "--model_dir={DATA}", "--format=raw",
+                                       "--out={WORK}/export_new"], "data", FAILED),
     # analyze
-    "analyze: no such run": (["tools/analyze.py", "trajectory", "--model_dir={WORK}/nope",
-                              "--out={WORK}/analysis_new", "--text=x"], "nope"),
-    "analyze: t outside [0, 1]": ([*ANALYZE, "spectral", "--times=2.0"], "2.0"),
-    "analyze: zero steps": ([*ANALYZE, "lyapunov", "--num_steps=0"], "--num_steps=0"),
-    "analyze: unknown analysis": ([*ANALYZE, "bogus"], "bogus"),
-    # aot_compile
-    "aot: unknown topology": ([*AOT, "--topology=v9x-8"], "v9x"),
-    "aot: missing gin file": (["tools/aot_compile.py", "--gin_file={WORK}/nope.gin",
-                               "--topology=v5e:2x2"], "nope.gin"),
-    "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus"),
+    "analyze: no such run": (["analyze", "trajectory", "--model_dir={WORK}/nope",
+                              "--out={WORK}/analysis_new", "--text=x"], "nope", FAILED),
+    "analyze: t outside [0, 1]": ([*ANALYZE, "spectral", "--times=2.0"], "2.0", FAILED),
+    "analyze: a time not a number": ([*ANALYZE, "spectral", "--times=0,half"],
+                                     "argument --times: invalid float value: 'half'", USAGE),
+    "analyze: zero steps": ([*ANALYZE, "lyapunov", "--num_steps=0"], "--num_steps=0", FAILED),
+    "analyze: unknown analysis": ([*ANALYZE, "bogus"], "bogus", USAGE),
+    # depth-report
+    "depth-report: no such run": (["depth-report", "--model_dir={WORK}/nope",
+                                   "--out={WORK}/analysis_new"], "nope", FAILED),
+    "depth-report: a step list entry not a number": (
+        ["depth-report", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--num_steps=2,x"],
+        "argument --num_steps: invalid int value: 'x'", USAGE),
+    # aot
+    "aot: unknown topology": ([*AOT, "--topology=v9x-8"], "v9x", FAILED),
+    "aot: missing gin file": (["aot", "--gin_file={WORK}/nope.gin", "--topology=v5e:2x2"],
+                              "nope.gin", FAILED),
+    "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", FAILED),
+    "aot: abbreviated flag": ([*AOT, "--topology=v5e:2x2", "--step=1"], "--step=1", USAGE),
+    # bench, sweep, scaling-report
+    "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),
+    "bench: steps not a number": (["bench", "--steps=few"], "argument --steps: invalid int",
+                                  USAGE),
+    "sweep: no such sweep file": (["sweep", "{WORK}/nope.gin", "--root={WORK}/export_new"],
+                                  "nope.gin", FAILED),
+    "scaling-report: no runs": (["scaling-report", "{WORK}/nope", "--out={WORK}/analysis_new"],
+                                "nope", FAILED),
 }
+# the installed console script: the same checks, for a few of the cases above
+SCRIPT_CASES = ("ode-lm: unknown command", "eval: steps not a number", "eval: no such run")
 NEW_DIRS = ("ft_new", "data_new", "export_new", "analysis_new")
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_one_line_no_traceback_dirs_unchanged(case, run_dirs):
-    argv, expected = CASES[case]
+def _check(case: str, run_dirs: dict[str, Path], script: str | None = None) -> None:
+    argv, expected, status = CASES[case]
     argv = [a.format(**run_dirs) for a in argv]
     expected = expected.format(**run_dirs)
+    prefix = f"ode-lm {argv[0]}: error: " if not argv[0].startswith("bogus") else "ode-lm: error: "
     before = {k: tree_hash(run_dirs[k]) for k in ("MODEL", "DATA")}
-    proc = _run(run_dirs["WORK"], argv)
+    proc = _ode_lm(run_dirs["WORK"], argv, script)
     left = [name for name in NEW_DIRS if (run_dirs["WORK"] / name).exists()]
     for name in left:  # so that one failing case does not fail the next ones
         shutil.rmtree(run_dirs["WORK"] / name)
     err = proc.stderr.strip()
-    assert proc.returncode != 0, (proc.stdout[-2000:], err[-2000:])
+    assert proc.returncode == status, (proc.returncode, proc.stdout[-2000:], err[-2000:])
     assert "Traceback" not in err, err[-3000:]
     assert len(err.splitlines()) == 1, err[-3000:]
-    assert ": error: " in err and expected in err, err
+    assert err.startswith(prefix) and expected in err, err
     for k in ("MODEL", "DATA"):
         assert tree_hash(run_dirs[k]) == before[k], f"{k} changed by {case}"
     assert not left, f"{case} left {left} behind"  # a refused command makes nothing
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_one_line_no_traceback_dirs_unchanged(case, run_dirs):
+    _check(case, run_dirs)
+
+
+@pytest.mark.parametrize("case", SCRIPT_CASES)
+def test_the_console_script_reports_alike(case, run_dirs):
+    script = shutil.which("ode-lm")
+    if script is None:
+        pytest.skip("the ode-lm console script is not on PATH (pip install -e .)")
+    _check(case, run_dirs, script)

@@ -1,4 +1,4 @@
-"""tools/bench.py: a smoke run on ``tiny`` (so the script never rots), its FLOP counter,
+"""ode-lm bench: a smoke run on ``tiny`` (so the script never rots), its FLOP counter,
 target arithmetic and flag errors. Speed targets live in the script's output, not here."""
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ def load_tool(repo_root, name: str):
 
 
 @pytest.fixture(scope="module")
-def bench_cli(repo_root):
-    return load_tool(repo_root, "bench")
+def bench_cli():
+    from ode_lm.commands import bench
+
+    return bench
 
 
 def test_dot_flops_counts_scan_bodies_and_gradients():
@@ -194,12 +196,12 @@ def test_bad_flags_name_the_flag(bench_cli, capsys, argv, message):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_bench_smoke_tiny(repo_root, tmp_path):
-    """The real script on ``tiny``: 2 timed steps, the comparison and checkpoint sections."""
+    """The real command on ``tiny``: 2 timed steps, the comparison and checkpoint sections."""
     out = tmp_path / "bench.json"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the real single device
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, str(repo_root / "tools" / "bench.py"), "--config", "tiny",
+        [sys.executable, "-m", "ode_lm", "bench", "--config", "tiny",
          "--steps", "2", "--warmup", "1", "--sections", "compare,checkpoint",
          "--checkpoint-rounds", "1",
          "--matmul-size", "512", "--checkpoint-dir", str(tmp_path), "--json", str(out)],

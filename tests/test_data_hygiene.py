@@ -97,12 +97,12 @@ def test_source_without_documents_is_one_line_error_naming_it(tmp_path):
         prepare(cfg, **QUIET)
     assert f"source {str(raw)!r}: no documents (2 empty and 0 unreadable" in one_line(e)
     assert not (tmp_path / "p" / "manifest.json").exists()
-    cmd = [sys.executable, os.path.join(REPO, "tools", "prepare_data.py"), f"--source={raw}",
+    cmd = [sys.executable, "-m", "ode_lm", "prepare", f"--source={raw}",
            "--tokenizer=bytes", f"--data_dir={tmp_path / 'p2'}", "--no_progress", "--num_proc=1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     errors = [ln for ln in out.stderr.splitlines() if "error" in ln]
-    assert out.returncode == 2 and len(errors) == 1, out.stderr
-    assert errors[0].startswith("prepare_data: error: source") and str(raw) in errors[0]
+    assert out.returncode == 1 and len(errors) == 1, out.stderr
+    assert errors[0].startswith("ode-lm prepare: error: source") and str(raw) in errors[0]
 
 
 def test_streaming_skips_empty_files_and_stops_on_a_source_without_documents(tmp_path, caplog):

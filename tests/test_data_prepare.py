@@ -137,14 +137,15 @@ def test_empty_source_and_missing_manifest(tmp_path):
 
 def test_cli(tmp_path):
     src = write_jsonl(tmp_path / "raw.jsonl", small_texts(30))
-    cmd = [sys.executable, os.path.join(REPO, "tools", "prepare_data.py"), f"--source={src}",
+    cmd = [sys.executable, "-m", "ode_lm", "prepare", f"--source={src}",
            "--tokenizer=bytes", f"--data_dir={tmp_path / 'out'}", "--no_progress",
            "--holdout_fraction=0.1", "--num_proc=1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "tokens/s" in out.stdout and "train: " in out.stdout
     assert json.loads((tmp_path / "out" / "manifest.json").read_text())["splits"]["train"]
-    bad = subprocess.run(cmd[:2] + [f"--source={tmp_path / 'missing.jsonl'}"] + cmd[3:],
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2
+    bad = subprocess.run(cmd[:4] + [f"--source={tmp_path / 'missing.jsonl'}"] + cmd[5:],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 1  # a run-time error (2 is for a command line that does not parse)
     assert bad.stderr.strip().count("\n") == 0 and "missing.jsonl" in bad.stderr
+    assert bad.stderr.startswith("ode-lm prepare: error: ")

@@ -69,7 +69,7 @@ def test_hf_and_bpe(tmp_path):
     hf_ids = get_tokenizer(f"hf:{path}").encode_batch(texts[:200])
     assert all(np.array_equal(x, y) for x, y in zip(fast.encode_batch(texts[:200]), hf_ids,
                                                      strict=True))
-    with pytest.raises(FileNotFoundError, match="trained by tools/prepare_data.py"):
+    with pytest.raises(FileNotFoundError, match="trained by ode-lm prepare"):
         get_tokenizer("bpe:400", tmp_path / "elsewhere")
 
 

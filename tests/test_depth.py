@@ -1,11 +1,10 @@
 """Continuous depth: the adaptive solver, random step counts, the kinetic-energy regulariser,
-the W(t) smoothness figure, adaptive generation and tools/depth_report.py end to end."""
+the W(t) smoothness figure, adaptive generation and ode-lm depth-report end to end."""
 
 from __future__ import annotations
 
 import csv
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -196,12 +195,8 @@ def _operative_gin(data) -> str:
 
 
 def test_depth_report_end_to_end(tiny_run, tmp_path, capsys):
-    import importlib.util
+    from ode_lm.commands import depth_report as tool
 
-    spec = importlib.util.spec_from_file_location(
-        "depth_report", os.path.join(os.path.dirname(__file__), "..", "tools", "depth_report.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     out = tmp_path / "report"
     rc = tool.main([f"--model_dir={tiny_run}", f"--compare_dir={tiny_run}", f"--out={out}",
                     f"--json={tmp_path / 'r.json'}", "--num_steps=1,2",

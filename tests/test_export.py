@@ -1,10 +1,13 @@
-"""tools/convert_ckpt.py: raw round trip, hf round trip through transformers, bad input."""
+"""ode-lm export (and its tools/convert_ckpt.py wrapper): raw round trip, hf round trip
+through transformers, bad input."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -88,11 +91,30 @@ def test_hf_round_trip_through_transformers(tmp_path, flavour):
 
 
 def _cli(argv):
-    spec = importlib.util.spec_from_file_location("convert_ckpt",
-                                                  os.path.join(REPO, "tools", "convert_ckpt.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main(argv)
+    from ode_lm.commands.export import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize("script", [["-m", "ode_lm", "export"], ["tools/convert_ckpt.py"]],
+                         ids=["ode-lm export", "tools/convert_ckpt.py"])
+def test_the_export_entries_share_one_cli(tmp_path, script):
+    """``ode-lm export`` and the kept ``tools/convert_ckpt.py`` wrapper: same flags, same
+    one-line errors (2: the command line, 1: the run), under their own names."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+    prog = "ode-lm export" if script[0] == "-m" else "convert_ckpt.py"
+
+    def run(*argv):
+        return subprocess.run([sys.executable, *script, *argv], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    usage = run("--model_dir=x", "--format=raw")  # --out missing
+    assert usage.returncode == 2 and usage.stderr.startswith(f"{prog}: error: "), usage.stderr
+    assert "--out" in usage.stderr and len(usage.stderr.strip().splitlines()) == 1
+    failed = run(f"--model_dir={tmp_path / 'nope'}", "--format=raw", f"--out={tmp_path / 'x'}")
+    assert failed.returncode == 1, failed.stderr
+    assert failed.stderr.strip() == (f"{prog}: error: --model_dir={tmp_path / 'nope'}: "
+                                     "no such directory"), failed.stderr
 
 
 @pytest.mark.parametrize("flavour,extra,message", [

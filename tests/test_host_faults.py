@@ -148,7 +148,7 @@ WORKER = textwrap.dedent("""
 
     bindings = f"DistributedConfig.heartbeat_timeout_seconds = {heartbeat}"
     distributed.exit_process(cli.run_gin_cli([f"--gin_bindings={bindings}"], prog="worker",
-                                             usage="", entry=entry, report=report))
+                                             entry=entry, report=report))
 """)
 
 

@@ -144,10 +144,11 @@ def test_paper_finetune_runs(gin_file):
 def _aot_tools():
     import sys
 
+    from ode_lm.commands import aot as aot_compile
+
     tools = Path(__file__).resolve().parents[1] / "tools"
-    if str(tools) not in sys.path:
+    if str(tools) not in sys.path:  # aot_paper_runs is a developer script of tools/
         sys.path.insert(0, str(tools))
-    import aot_compile
     import aot_paper_runs
 
     return aot_compile, aot_paper_runs

@@ -1,4 +1,4 @@
-"""tools/sweep.py (grid -> runs) and tools/scaling_report.py (event files -> fits, CSV, PNG)."""
+"""ode-lm sweep (grid -> runs) and ode-lm scaling-report (event files -> fits, CSV, PNG)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,13 @@ import csv
 import dataclasses
 import json
 import pathlib
-import sys
 
 import pytest
 
+from ode_lm.commands import scaling_report, sweep
+from ode_lm.models.config import ModelConfig
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tools"))
-
-import scaling_report  # noqa: E402
-import sweep  # noqa: E402
-
-from ode_lm.models.config import ModelConfig  # noqa: E402
 
 
 @pytest.fixture()
@@ -107,12 +103,12 @@ def test_cli_lists_runs_and_prints_launch_commands(sweep_file, tmp_path, capsys)
     assert lines[0].startswith(
         f"launch/tpu_vm.sh --tpu pod --zone us-east5-a --project p --gin_file={base} ")
     assert lines[0].endswith(" --gin.train.model_dir=gs://b/sw/grid-w64-n2-d8")
-    assert sweep.main([str(path), "--root", "r", "--only", "nope"]) == 2
+    assert sweep.main([str(path), "--root", "r", "--only", "nope"]) == 1
     assert "--only names ['nope']" in capsys.readouterr().err
 
 
 def test_cli_bad_file_is_one_line_error(tmp_path, capsys):
-    assert sweep.main([str(tmp_path / "missing.gin"), "--root", "r"]) == 2
+    assert sweep.main([str(tmp_path / "missing.gin"), "--root", "r"]) == 1
     assert "sweep file" in capsys.readouterr().err
 
 
@@ -189,7 +185,7 @@ def test_report_names_a_run_without_eval(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"no 'eval/loss' scalars .* \(has \['train/loss'"):
         scaling_report.collect(scaling_report.find_runs([str(tmp_path / "s")]),
                                flops_fn=_fake_flops)
-    assert scaling_report.main([str(tmp_path / "empty_missing"), "--out", str(tmp_path)]) == 2
+    assert scaling_report.main([str(tmp_path / "empty_missing"), "--out", str(tmp_path)]) == 1
     assert "is not a directory" in capsys.readouterr().err
 
 

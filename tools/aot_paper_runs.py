@@ -5,7 +5,8 @@ Each run is meant for a v5p-128 slice (64 chips, pure FSDP: ``MeshConfig.ici_par
 a v5p-8 slice (4 chips) at the same per-chip batch (global batch / 16). That is a stricter
 memory check, not a looser one: activations per chip are the same, and the parameters and
 optimizer state are split 4 ways instead of 64, so a run that fits there fits on v5p-128.
-Exit status: 0 every run fits, 1 one does not, 2 bad input.
+Exit status: 0 every run fits; 1 one does not, or a bad value/file; 2 a command line that
+does not parse (the rule of every ode-lm command). The one-run command is ``ode-lm aot``.
 
     python tools/aot_paper_runs.py --small                 # all 14 runs, the README table
     python tools/aot_paper_runs.py --small owt_small owt_llama_1b
@@ -13,16 +14,13 @@ Exit status: 0 every run fits, 1 one does not, 2 bad input.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import sys
 import time
 from collections.abc import Sequence
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import aot_compile  # noqa: E402  (sets ALLOW_MULTIPLE_LIBTPU_LOAD before libtpu loads)
-
-from ode_lm import cli  # noqa: E402
+from ode_lm import cli
+from ode_lm.commands import aot as aot_compile  # sets ALLOW_MULTIPLE_LIBTPU_LOAD first
 
 PAPER = pathlib.Path(__file__).resolve().parents[1] / "configs" / "runs" / "paper"
 NOT_RUNS = ("common", "vanilla")  # included by the run files, not runs themselves
@@ -88,9 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg, report = compile_run(run, args.topology, SMALL if args.small else None)
             print(row(run, cfg, report, args.topology), flush=True)
             fits &= report.fits
-    except (ValueError, OSError, RuntimeError) as e:
-        print(f"aot_paper_runs.py: error: {aot_compile._first_line(str(e))}", file=sys.stderr)
-        return 2
+    except cli.user_errors() as e:
+        return cli.report_error("aot_paper_runs.py", e)
     print(f"total {time.perf_counter() - start:.0f} s; "
           f"{'every run fits' if fits else 'a run does not fit'}")
     return 0 if fits else 1

@@ -6,7 +6,7 @@ against a bare host copy + raw file write of the same bytes (the floor any write
     python tools/bench_checkpoint.py --config cpu_small --json ckpt.json
 
 On a host whose cores the train step already keeps busy, this CPU time is what an async
-save takes away from training (``tools/bench.py --sections checkpoint`` measures that).
+save takes away from training (``ode-lm bench --sections checkpoint`` measures that).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ DESCRIPTIONS = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="cpu_small", help="a tools/bench.py config")
+    p.add_argument("--config", default="cpu_small", help="an ode-lm bench config")
     p.add_argument("--saves", type=int, default=6, help="timed saves per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds over all variants (median)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {VARIANTS}")

@@ -1,6 +1,6 @@
 """Where a train step's time goes: trace the bench's compiled step and rank its XLA ops.
 
-The evidence behind the bench targets (``tools/bench.py``). It builds the same train step
+The evidence behind the bench targets (``ode-lm bench``). It builds the same train step
 as the bench (``ode_lm.bench.train_bench.TrainBench``), runs ``--steps`` steps under
 ``jax.profiler``, and sums each XLA op's time per step from the trace, grouped by what the
 op belongs to (its ``op_name`` metadata in the compiled HLO):
@@ -32,7 +32,7 @@ from ode_lm import cli
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default="cpu_small", help="a tools/bench.py config")
+    p.add_argument("--config", default="cpu_small", help="an ode-lm bench config")
     p.add_argument("--arch", default="ode", help="ode | parallel | sequential")
     p.add_argument("--steps", type=int, default=3, help="profiled steps (after 2 warm-up)")
     p.add_argument("--top", type=int, default=15, help="ops listed individually")

@@ -2,5 +2,5 @@
 
 Generic math (no model import): ``spectra``, ``lyapunov``; the model's view:
 ``model_access``, ``trajectory``; outputs: ``plots``, ``report_html``; ``commands`` backs
-``tools/analyze.py``; ``bench`` measures the README speed figures.
+``ode-lm analyze``; ``bench`` measures the README speed figures.
 """

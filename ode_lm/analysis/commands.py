@@ -1,6 +1,6 @@
 """The three analyses as commands: model + inputs → files in an output dir + summary lines.
 
-``tools/analyze.py`` parses flags, restores the run's model and tokenizer, and calls these;
+``ode-lm analyze`` parses flags, restores the run's model and tokenizer, and calls these;
 tests call them directly on a model built in the test.
 """
 

@@ -4,7 +4,7 @@
 of step counts N and for the adaptive solver at several tolerances (with its mean NFE);
 ``weight_smoothness`` measures how fast the generated weights move in t,
 max over t and matrices of ‖W(t+δ) − W(t)‖ / (δ·‖W(t)‖): O(1) for W(t) that is smooth on
-[0, 1], O(time_scale) for the paper's sin(1000·t·ω) features. ``tools/depth_report.py`` is
+[0, 1], O(time_scale) for the paper's sin(1000·t·ω) features. ``ode-lm depth-report`` is
 the CLI; ``write_csv``/``plot_depth_curves`` write its files.
 """
 

@@ -1,4 +1,4 @@
-"""The benchmark sizes of ``tools/bench.py`` (``tiny``, ``cpu_small``, ``gpu_large``), read
+"""The benchmark sizes of ``ode-lm bench`` (``tiny``, ``cpu_small``, ``gpu_large``), read
 from ``configs/models/<name>.gin`` so each model size has one source.
 
 A model gin file binds ``ModelConfig.*`` (literals or ``%MACRO``s defined in the same file)

@@ -1,4 +1,4 @@
-"""Measurement pieces for ``tools/bench.py``: the matmul peak, FLOP counting and a wrapper
+"""Measurement pieces for ``ode-lm bench``: the matmul peak, FLOP counting and a wrapper
 that compiles and times the *real* train step (``ode_lm.training.step``); the bench sizes
 come from ``ode_lm.bench.presets`` (``configs/models/*.gin``).
 

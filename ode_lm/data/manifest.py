@@ -96,7 +96,7 @@ def load_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
     p = epath.Path(data_dir) / MANIFEST
     if not p.exists():
         raise PreparedDataError(f"{p} not found: prepare the data first "
-                                "(tools/prepare_data.py or ode_lm.data.ensure_prepared)")
+                                "(ode-lm prepare or ode_lm.data.ensure_prepared)")
     try:
         m = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -369,7 +369,7 @@ def get_tokenizer(spec: str, data_dir: str | os.PathLike | None = None, *,
         path = epath.Path(data_dir) / BPE_FILE
         if not path.exists():
             raise FileNotFoundError(
-                f"tokenizer {spec!r}: {path} not found; it is trained by tools/prepare_data.py"
+                f"tokenizer {spec!r}: {path} not found; it is trained by ode-lm prepare"
             )
         return TrainedBPETokenizer(spec, os.fspath(path), num_threads=num_threads)
     raise ValueError(

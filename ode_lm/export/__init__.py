@@ -1,6 +1,6 @@
 """Export of ode-lm runs: ``raw`` (lossless hypernetwork) and ``hf`` (transformers-loadable).
 
-CLI: ``tools/convert_ckpt.py``. See ``convert.export`` for the entry point.
+CLI: ``ode-lm export`` (``ode_lm/commands/export.py``). See ``convert.export`` for the entry point.
 """
 
 from ode_lm.export.convert import FORMATS, ExportResult, check_request, export

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import gin
 
+from ode_lm.cli import UsageError
 from ode_lm.config_types import register_with_gin
 from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
@@ -71,7 +72,7 @@ def parse_flags(argv: Sequence[str]) -> GinFlags:
         name, eq, value = arg.partition("=")
         if not eq and name in ("--gin_file", "--gin_bindings", "--gin_search_paths"):
             if i + 1 >= len(args):
-                raise ValueError(f"flag {name} needs a value")
+                raise UsageError(f"flag {name} needs a value")
             i += 1
             value = args[i]
         if name == "--gin_file":
@@ -83,7 +84,7 @@ def parse_flags(argv: Sequence[str]) -> GinFlags:
             flags.search_paths.extend(p for p in value.split(",") if p)
         elif name.startswith("--gin."):
             if not eq:
-                raise ValueError(f"flag {arg!r}: expected --gin.NAME=VALUE")
+                raise UsageError(f"flag {arg!r}: expected --gin.NAME=VALUE")
             flags.bindings.append(f"{name[len('--gin.'):]} = {_binding_value(value)}")
             flags.sources.append(arg)
         else:
@@ -114,7 +115,17 @@ def parse_gin(flags: GinFlags) -> None:
             gin.parse_config(binding)
         except (SyntaxError, tokenize.TokenError) as e:  # gin's text names no flag
             msg = e.msg if isinstance(e, SyntaxError) else f"{e.args[0]} (an unclosed bracket?)"
-            raise ValueError(f"{source}: {msg}") from None
+            raise UsageError(f"{source}: {msg}") from None
+
+
+def macro_values() -> dict[str, str]:
+    """NAME -> value (gin's text) of every macro the parsed config defines, in the order they
+    were first defined (files and their includes, then bindings): what ``--help`` lists."""
+    from gin import config as gin_config
+
+    return {scope: gin_config._format_value(params["value"])
+            for (scope, selector), params in gin_config._CONFIG.items()
+            if selector == "gin.macro" and "value" in params}
 
 
 def _macro_key(binding: str) -> str | None:

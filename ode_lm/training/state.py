@@ -86,7 +86,7 @@ def build_state_spec(
 ) -> StateSpec:
     """Abstract train state and its shardings for ``mesh``; allocates no parameter memory.
 
-    ``tools/aot_compile.py`` uses this with a TPU topology mesh to lower the train step.
+    ``ode-lm aot`` uses this with a TPU topology mesh to lower the train step.
     """
     tx = restrict_to_trainable(tx, trainable)
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):

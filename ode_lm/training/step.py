@@ -1,7 +1,7 @@
 """Loss, train step and eval step: pure functions of (state, batch), jit-ed by the caller.
 
 ``make_train_step(spec, ...)`` and ``jit_train_step(spec, ...)`` are what the trainer and
-``tools/aot_compile.py`` use; the latter lowers it against ``spec.abstract_state``.
+``ode-lm aot`` use; the latter lowers it against ``spec.abstract_state``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Depth report: validation perplexity of a trained run at every N and solver.
 
-  python tools/depth_report.py --model_dir=RUN [--compare_dir=RUN2] --out=DIR [--json=FILE]
+  ode-lm depth-report --model_dir=RUN [--compare_dir=RUN2] --out=DIR [--json=FILE]
 
 Evaluates Euler, midpoint and RK4 at N ∈ {2, 3, 4, 6, 8, 12, 16, 24} and the adaptive
 Bogacki–Shampine solver at two tolerances (with its mean NFE per batch) on the run's
@@ -16,46 +16,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
+from collections.abc import Sequence
 
 from ode_lm import cli
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive step counts, got {text!r}")
-    return values
-
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"expected positive tolerances, got {text!r}")
-    return values
-
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "ode-lm depth-report") -> argparse.ArgumentParser:
     from ode_lm.analysis.depth import DEFAULT_NUM_STEPS, DEFAULT_RTOLS, DEFAULT_SOLVERS
 
-    p = cli.ArgumentParser(prog="tools/depth_report.py", description=__doc__.split("\n")[0])
+    p = cli.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                           epilog="\n".join(__doc__.splitlines()[2:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--compare_dir", default=None, help="a second run to overlay")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--json", default=None, help="also write the JSON here")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
-    p.add_argument("--num_steps", type=_ints, default=list(DEFAULT_NUM_STEPS))
+    p.add_argument("--num_steps", type=cli.int_list, default=list(DEFAULT_NUM_STEPS))
     p.add_argument("--solvers", default=",".join(DEFAULT_SOLVERS),
                    help="fixed-grid solvers, comma-separated")
-    p.add_argument("--rtols", type=_floats, default=list(DEFAULT_RTOLS),
+    p.add_argument("--rtols", type=cli.float_list, default=list(DEFAULT_RTOLS),
                    help="adaptive solver tolerances")
     p.add_argument("--atol", type=float, default=None, help="adaptive atol (default: config)")
     return p
@@ -81,44 +62,47 @@ def report_run(model_dir: str, args, log) -> dict:
             "smoothness": smooth["max"], "smoothness_detail": smooth}
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-report") -> int:
+    args = build_parser(prog).parse_args(argv)
+    cli.setup_logging()
+    return cli.run_command(prog, lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
     from ode_lm.eval import check_solver_flags
-    from ode_lm.train import one_line, setup_logging, user_errors
 
-    setup_logging()
     t0 = time.time()
-    try:
-        for s in args.solvers.split(","):
-            check_solver_flags(s, None, args.atol)
-        for flag, d in (("--model_dir", args.model_dir), ("--compare_dir", args.compare_dir)):
-            if d is not None and not os.path.isdir(d):
-                raise FileNotFoundError(f"{flag}={d}: no such directory")
-        from ode_lm.analysis import depth
+    if min(args.num_steps) < 1:
+        raise ValueError(f"--num_steps={','.join(map(str, args.num_steps))}: every entry "
+                         "must be >= 1")
+    if min(args.rtols) <= 0:
+        raise ValueError(f"--rtols={','.join(map(str, args.rtols))}: every tolerance must "
+                         "be > 0")
+    for s in args.solvers.split(","):
+        check_solver_flags(s, None, args.atol)
+    for flag, d in (("--model_dir", args.model_dir), ("--compare_dir", args.compare_dir)):
+        if d is not None and not os.path.isdir(d):
+            raise FileNotFoundError(f"{flag}={d}: no such directory")
+    from ode_lm.analysis import depth
 
-        result = report_run(args.model_dir, args, print)
-        reports = {os.path.basename(os.path.normpath(args.model_dir)): result}
-        if args.compare_dir:
-            result["compare"] = report_run(args.compare_dir, args, print)
-            name = os.path.basename(os.path.normpath(args.compare_dir))
-            reports[name if name not in reports else f"{name} (compare)"] = result["compare"]
-        os.makedirs(args.out, exist_ok=True)
-        text = json.dumps(result, indent=1)
-        paths = [os.path.join(args.out, "depth_report.json")]
-        with open(paths[0], "w") as f:
+    result = report_run(args.model_dir, args, print)
+    reports = {os.path.basename(os.path.normpath(args.model_dir)): result}
+    if args.compare_dir:
+        result["compare"] = report_run(args.compare_dir, args, print)
+        name = os.path.basename(os.path.normpath(args.compare_dir))
+        reports[name if name not in reports else f"{name} (compare)"] = result["compare"]
+    os.makedirs(args.out, exist_ok=True)
+    text = json.dumps(result, indent=1)
+    paths = [os.path.join(args.out, "depth_report.json")]
+    with open(paths[0], "w") as f:
+        f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
             f.write(text)
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(text)
-            paths.append(args.json)
-        paths.append(str(depth.write_csv(reports, os.path.join(args.out, "depth_report.csv"))))
-        paths.append(str(depth.plot_depth_curves(reports,
-                                                 os.path.join(args.out, "depth_report.png"))))
-    except user_errors() as e:
-        if os.environ.get("ODE_LM_DEBUG"):
-            raise
-        print(f"depth_report: error: {one_line(e)}", file=sys.stderr)
-        return 1
+        paths.append(args.json)
+    paths.append(str(depth.write_csv(reports, os.path.join(args.out, "depth_report.csv"))))
+    paths.append(str(depth.plot_depth_curves(reports,
+                                             os.path.join(args.out, "depth_report.png"))))
     print(_table(reports))
     print(f"wrote {', '.join(paths)} in {time.time() - t0:.0f}s")
     return 0
@@ -140,7 +124,3 @@ def _table(reports: dict) -> str:
                          f"NFE {a['nfe']:.1f} |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Train-step benchmark: DiffEqFormer vs the vanilla parallel-block baseline, variants,
 checkpoint and solver cost. Prints a table and the targets; ``--json`` writes every figure.
 
-    python tools/bench.py --config cpu_small --json bench.json
-    python tools/bench.py --config gpu_large --platform gpu     # on an accelerator
+    ode-lm bench --config cpu_small --json bench.json
+    ode-lm bench --config gpu_large --platform gpu     # on an accelerator
 
 It times the trainer's own jitted train step (``ode_lm.training.step.jit_train_step``) on
 whatever ``jax.devices()`` gives (all of them on the FSDP axis). Benches compared with each
@@ -15,8 +15,10 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import statistics
 import sys
+from collections.abc import Sequence
 
 from ode_lm import cli
 
@@ -40,8 +42,11 @@ SWEEPS = {
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: Sequence[str] | None = None, prog: str = "ode-lm bench"
+               ) -> argparse.Namespace:
+    doc = __doc__.split("\n\n")
+    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="cpu_small", help="tiny | cpu_small | gpu_large")
     p.add_argument("--steps", type=int, default=10, help="timed steps per bench (>= 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bench first (>= 1)")
@@ -164,7 +169,7 @@ def run_bench(args: argparse.Namespace) -> dict:
 
     results: dict = {
         "config": dataclasses.asdict(cfg),
-        "command": "python tools/bench.py " + " ".join(sys.argv[1:]),
+        "command": shlex.join(["ode-lm", "bench", *getattr(args, "argv", sys.argv[1:])]),
         "devices": [str(d) for d in devices],
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,
@@ -357,11 +362,13 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    run_bench(args)
-    return 0
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv, prog)
+    args.argv = argv  # for the JSON's "command"
 
+    def body() -> int:
+        run_bench(args)
+        return 0
 
-if __name__ == "__main__":
-    sys.exit(main())
+    return cli.run_command(prog, body)

@@ -14,11 +14,12 @@ Each point becomes gin bindings plus a model dir ``ROOT/<name>-w<W>-n<N>-d<D>``.
 are listed (default), trained here one after another (``--run``), or printed as
 ``launch/tpu_vm.sh`` commands (``--launch_tpu NAME --zone Z``).
 
-    python tools/sweep.py configs/sweeps/tiny.gin --root /tmp/sweep [--run | --launch_tpu T ...]
+    ode-lm sweep configs/sweeps/tiny.gin --root /tmp/sweep [--run | --launch_tpu T ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import json
@@ -36,7 +37,7 @@ from gin import config_parser
 
 from ode_lm import cli
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]  # the checkout: configs/, launch/
 
 # The gin parameters each grid axis sets; a sweep file may rename them (Sweep.*_param).
 DEFAULT_PARAMS = {
@@ -228,8 +229,10 @@ def run_locally(runs: list[Run], log_dir: str) -> list[tuple[Run, int, float]]:
     return results
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "ode-lm sweep") -> argparse.ArgumentParser:
+    doc = __doc__.split("\n\n")
+    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep_file", help="configs/sweeps/<name>.gin")
     p.add_argument("--root", required=True, help="parent of the runs' model dirs (local or gs://)")
     mode = p.add_mutually_exclusive_group()
@@ -238,6 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--zone", help="with --launch_tpu")
     p.add_argument("--project", help="with --launch_tpu")
     p.add_argument("--only", help="comma-separated run names to keep")
+    p.add_argument("--gin.Sweep.FIELD=VALUE", dest="sweep_override", action="store_true",
+                   help="override a Sweep.* binding of the file (--gin.Sweep.widths=[64,128])")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm sweep") -> int:
+    p = build_parser(prog)
     args, rest = p.parse_known_args(argv)
     overrides = [a for a in rest if a.startswith("--gin.Sweep.")]
     unknown = [a for a in rest if a not in overrides]
@@ -246,19 +256,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--gin.Sweep.widths=[64,128])")
     if args.launch_tpu and not args.zone:
         p.error("--launch_tpu needs --zone")
-    try:
-        spec = parse_sweep(args.sweep_file, overrides)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"sweep.py: error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_command(prog, lambda: run(args, overrides, prog))
+
+
+def run(args: argparse.Namespace, overrides: list[str], prog: str = "ode-lm sweep") -> int:
+    spec = parse_sweep(args.sweep_file, overrides)
     runs = expand(spec, args.root)
     if args.only:
         keep = set(args.only.split(","))
         missing = keep - {r.name for r in runs}
         if missing:
-            print(f"sweep.py: error: --only names {sorted(missing)} are not in the sweep",
-                  file=sys.stderr)
-            return 2
+            raise ValueError(f"--only names {sorted(missing)} are not in the sweep")
         runs = [r for r in runs if r.name in keep]
     if args.launch_tpu:
         for r in runs:
@@ -274,11 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = sum(s for *_, s in results)
     print(f"{len(results) - len(failed)}/{len(results)} runs finished in {total:.0f}s")
     if failed:
-        print(f"sweep.py: failed runs: {', '.join(failed)} (see {args.root}/logs)",
+        print(f"{prog}: error: failed runs: {', '.join(failed)} (see {args.root}/logs)",
               file=sys.stderr)
-        return 1
+        return cli.EXIT_FAILURE
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,17 +3,19 @@
 Uses the trainer's own pieces (gin -> mesh -> state spec -> jit'ed train step) with
 compile-only TPU devices from libtpu (``pip install -e ".[tpu]"``), then prints per-chip
 memory against the chip's HBM, compiled against analytic FLOPs and the expected MFU at a
-stated step time. Exit status: 0 fits, 1 does not fit, 2 bad input.
+stated step time. Exit status: 0 fits; 1 does not fit, or a bad value/file (one line
+``ode-lm aot: error: ...``); 2 a command line that does not parse.
 
-    python tools/aot_compile.py --gin_file=configs/models/tiny.gin \
+    ode-lm aot --gin_file=configs/models/tiny.gin \
         --gin_file=configs/data/builtin.gin --topology=v5e:2x2
-    python tools/aot_compile.py ... --topology=v5p-128 --num_slices=2 --step_time=1.5
-    python tools/aot_compile.py ... --topology=v5e-256 --search --remat=full
-    python tools/aot_compile.py ... --topology=v5p-128 --attention_impl=splash
+    ode-lm aot ... --topology=v5p-128 --num_slices=2 --step_time=1.5
+    ode-lm aot ... --topology=v5e-256 --search --remat=full
+    ode-lm aot ... --topology=v5p-128 --attention_impl=splash
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -85,7 +87,7 @@ def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
 
     flags = gin_setup.parse_flags([*(f"--gin_file={f}" for f in gin_files), *bindings])
     if flags.rest:
-        raise ValueError(f"unknown flag {flags.rest[0]!r}")
+        raise cli.UsageError(f"unknown flag {flags.rest[0]!r}")
     gin_setup.parse_gin(flags)
     gin_setup.check_cli_macros(flags)
     try:
@@ -351,10 +353,13 @@ def write_json(path: str, reports: list[Report]) -> None:
         raise OSError(f"--json={path}: cannot write: {e.strerror}") from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    cli.setup_logging()  # warnings only; gin's "Path not found" search noise dropped
-    p = cli.ArgumentParser(prog="aot_compile.py", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "ode-lm aot") -> argparse.ArgumentParser:
+    doc = __doc__.split("\n\n")
+    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gin_file", action="append", default=[], required=True)
+    p.add_argument("--gin.NAME=VALUE", dest="gin_shorthand", action="store_true",
+                   help="gin bindings, as ode-lm train takes them")
     p.add_argument("--topology", required=True, help="v5p-128, v5e-256, v4-64, v6e-256, v5p:4x4x4")
     p.add_argument("--num_slices", type=int, default=1)
     p.add_argument("--global_batch", type=int, help="override DataConfig.global_batch_size")
@@ -368,47 +373,51 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also compile the discrete baseline of the same width and depth")
     p.add_argument("--json", help="write the communication report and estimate to this file")
     p.add_argument("--hlo", help="write the compiled (post-optimisation) HLO text to this file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm aot") -> int:
+    cli.setup_logging()  # warnings only; gin's "Path not found" search noise dropped
+    p = build_parser(prog)
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--gin.")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
-    try:
-        if args.step_time <= 0:
-            raise ValueError(f"--step_time={args.step_time}: must be > 0")
-        for flag in ("json", "hlo"):
-            path = getattr(args, flag)
-            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise ValueError(f"--{flag}={path}: no such directory")
-        topo = parse_topology(args.topology, args.num_slices)
-        if args.remat:
-            rest.append(f"--gin.ModelConfig.remat='{args.remat}'")
-        if args.attention_impl:
-            rest.append(f"--gin.ModelConfig.attention_impl='{args.attention_impl}'")
-        cfg = load_gin(args.gin_file, rest)
-        devices = topology_devices(topo)
-        batch = args.global_batch or cfg["data"].global_batch_size
-        if args.search:
-            from ode_lm import partitioning
+    return cli.run_command(prog, lambda: run(args, rest, prog))
 
-            mesh = partitioning.create_mesh(cfg["mesh"].ici_parallelism,
-                                            cfg["mesh"].dcn_parallelism, devices)
-            print(f"searching the largest per-chip batch on {topo.name} "
-                  f"(remat={cfg['model'].remat})")
-            rules = partitioning.axis_rules(cfg["mesh"].rule_overrides)
-            report = search_batch(cfg, topo, devices, partitioning.batch_shards(mesh, rules))
-        else:
-            report = compile_train_step(cfg, topo, devices, batch, hlo_path=args.hlo)
-        reports = [report]
-        if args.vanilla and not args.search:
-            reports.append(compile_train_step(vanilla_config(cfg), topo, devices,
-                                              report.global_batch, label="vanilla"))
-        if args.json:
-            write_json(args.json, reports)
-    except (ValueError, OSError, RuntimeError) as e:
-        if os.environ.get("ODE_LM_DEBUG"):
-            raise
-        print(f"aot_compile.py: error: {_first_line(str(e))}", file=sys.stderr)
-        return 2
+
+def run(args: argparse.Namespace, rest: list[str], prog: str = "ode-lm aot") -> int:
+    if args.step_time <= 0:
+        raise ValueError(f"--step_time={args.step_time}: must be > 0")
+    for flag in ("json", "hlo"):
+        path = getattr(args, flag)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"--{flag}={path}: no such directory")
+    topo = parse_topology(args.topology, args.num_slices)
+    if args.remat:
+        rest.append(f"--gin.ModelConfig.remat='{args.remat}'")
+    if args.attention_impl:
+        rest.append(f"--gin.ModelConfig.attention_impl='{args.attention_impl}'")
+    cfg = load_gin(args.gin_file, rest)
+    devices = topology_devices(topo)
+    batch = args.global_batch or cfg["data"].global_batch_size
+    if args.search:
+        from ode_lm import partitioning
+
+        mesh = partitioning.create_mesh(cfg["mesh"].ici_parallelism,
+                                        cfg["mesh"].dcn_parallelism, devices)
+        print(f"searching the largest per-chip batch on {topo.name} "
+              f"(remat={cfg['model'].remat})")
+        rules = partitioning.axis_rules(cfg["mesh"].rule_overrides)
+        report = search_batch(cfg, topo, devices, partitioning.batch_shards(mesh, rules))
+    else:
+        report = compile_train_step(cfg, topo, devices, batch, hlo_path=args.hlo)
+    reports = [report]
+    if args.vanilla and not args.search:
+        reports.append(compile_train_step(vanilla_config(cfg), topo, devices,
+                                          report.global_batch, label="vanilla"))
+    if args.json:
+        write_json(args.json, reports)
     print(describe(report, args.step_time))
     if len(reports) > 1:
         v = reports[1]
@@ -426,15 +435,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"at least {report.peak_bytes / GiB:.1f} GiB" if report.peak_bytes else
                 "more than HBM")
         remat = "" if cfg["model"].remat == "full" else ", use --remat=full"
-        print(f"aot_compile.py: does not fit: the train step needs {need} per chip on "
+        print(f"{prog}: does not fit: the train step needs {need} per chip on "
               f"{topo.name} ({topo.chip.hbm_bytes / GiB:.0f} GiB HBM); lower the batch{remat} "
               "or add chips", file=sys.stderr)
-        return 1
+        return cli.EXIT_FAILURE
     if args.search:
         print(f"largest per-chip batch that fits: {report.per_chip_batch:g} "
               f"(global batch {report.global_batch})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

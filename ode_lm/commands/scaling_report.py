@@ -5,17 +5,17 @@ files, computes training FLOPs = analytic flops_per_token x tokens seen, fits a 
 L = a * C^b per series (least squares in log-log), and writes ``scaling.png``,
 ``scaling.csv`` and ``fits.csv``.
 
-    python tools/scaling_report.py /tmp/sweep --out /tmp/sweep/report
+    ode-lm scaling-report /tmp/sweep --out /tmp/sweep/report
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import dataclasses
 import glob
 import math
 import os
-import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -193,21 +193,27 @@ def plot(points: Sequence[RunPoint], fits: Sequence[PowerLaw], path: str) -> Non
     plt.close(fig)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = cli.ArgumentParser(description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "ode-lm scaling-report") -> argparse.ArgumentParser:
+    doc = __doc__.split("\n\n")
+    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run dirs, or a sweep root holding them")
     p.add_argument("--out", required=True, help="folder for scaling.png/.csv and fits.csv")
     p.add_argument("--loss_tag", default=LOSS_TAG)
     p.add_argument("--tokens_tag", default=TOKENS_TAG)
-    args = p.parse_args(argv)
-    try:
-        run_dirs = find_runs(args.runs)
-        if not run_dirs:
-            raise ValueError(f"no run dirs (with model_config.json) under {args.runs}")
-        points = collect(run_dirs, args.loss_tag, args.tokens_tag)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"scaling_report.py: error: {e}", file=sys.stderr)
-        return 2
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm scaling-report") -> int:
+    args = build_parser(prog).parse_args(argv)
+    return cli.run_command(prog, lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dirs = find_runs(args.runs)
+    if not run_dirs:
+        raise ValueError(f"no run dirs (with model_config.json) under {args.runs}")
+    points = collect(run_dirs, args.loss_tag, args.tokens_tag)
     fits = fit_series(points)
     write_csv(points, fits, args.out)
     plot(points, fits, os.path.join(args.out, "scaling.png"))
@@ -220,7 +226,3 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{fit.points} runs)")
     print(f"wrote {args.out}/scaling.png, scaling.csv, fits.csv")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """Raw text -> tokenized ArrayRecord shards + manifest.json (idempotent, resumable).
 
-  python tools/prepare_data.py --source=builtin --tokenizer=bpe:4096 --data_dir=/tmp/owt
-  python tools/prepare_data.py --source='gs://bucket/owt/*.parquet' --tokenizer=tiktoken:gpt2 \\
+  ode-lm prepare --source=builtin --tokenizer=bpe:4096 --data_dir=/tmp/owt
+  ode-lm prepare --source='gs://bucket/owt/*.parquet' --tokenizer=tiktoken:gpt2 \\
       --data_dir=gs://bucket/owt_gpt2 --num_proc=32
-  python tools/prepare_data.py --source=hf://datasets/Skylion007/openwebtext \\
+  ode-lm prepare --source=hf://datasets/Skylion007/openwebtext \\
       --tokenizer=tiktoken:gpt2 --data_dir=gs://bucket/owt_gpt2 --num_proc=32
 
 Re-running skips finished chunks; an interrupted run resumes without duplicates.
@@ -11,18 +11,19 @@ Re-running skips finished chunks; an interrupted run resumes without duplicates.
 
 from __future__ import annotations
 
+import argparse
 import logging
-import sys
+from collections.abc import Sequence
 
 from ode_lm import cli
 from ode_lm.data.config import DataConfig
-from ode_lm.data.prepare import PreparedDataError, prepare
-from ode_lm.data.sources import SourceError
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser(prog: str = "ode-lm prepare") -> argparse.ArgumentParser:
     d = DataConfig()
-    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
+                            epilog="\n".join(__doc__.splitlines()[2:]),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--source", default=d.source,
                     help="builtin | paths/globs/dirs (local, gs://) | "
                          "hf://datasets/<owner>/<name>[/<glob>] | tfds:<name>")
@@ -38,19 +39,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs_per_shard", type=int, default=d.docs_per_shard)
     ap.add_argument("--num_proc", type=int, default=None, help="tokenizer processes (default: all)")
     ap.add_argument("--no_progress", action="store_true")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="prepare_data: warning: %(message)s")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm prepare") -> int:
+    args = build_parser(prog).parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
+    return cli.run_command(prog, lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    from ode_lm.data.prepare import prepare
+
     delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \
         else None
-    try:
-        cfg = DataConfig(data_dir=args.data_dir, source=args.source, tokenizer=args.tokenizer,
-                         text_field=args.text_field, text_delimiter=delimiter,
-                         non_utf8=args.non_utf8, holdout_fraction=args.holdout_fraction,
-                         holdout_seed=args.holdout_seed, docs_per_shard=args.docs_per_shard)
-        m = prepare(cfg, num_proc=args.num_proc, progress=not args.no_progress)
-    except (SourceError, PreparedDataError, ValueError, OSError, RuntimeError) as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
-        return 2
+    cfg = DataConfig(data_dir=args.data_dir, source=args.source, tokenizer=args.tokenizer,
+                     text_field=args.text_field, text_delimiter=delimiter,
+                     non_utf8=args.non_utf8, holdout_fraction=args.holdout_fraction,
+                     holdout_seed=args.holdout_seed, docs_per_shard=args.docs_per_shard)
+    m = prepare(cfg, num_proc=args.num_proc, progress=not args.no_progress)
     for split, info in m["splits"].items():
         print(f"{split}: {info['documents']} documents, {info['tokens']} tokens, "
               f"{len(info['shards'])} shards")
@@ -60,7 +67,3 @@ def main(argv: list[str] | None = None) -> int:
               "(listed in manifest.json skipped_files)")
     print(f"manifest: {cfg.data_dir}/manifest.json (vocab {m['vocab_size']}, eos {m['eos_id']})")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

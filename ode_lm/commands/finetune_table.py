@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """The README's adaptive-depth table: pretrain cpu_small at 6 steps, fine-tune at M steps.
 
-  python tools/finetune_table.py [--pretrain_steps=60] [--finetune_steps=15] [--depths=3,6,12]
+  ode-lm finetune-table [--pretrain_steps=60] [--finetune_steps=15] [--depths=3,6,12]
 
 1. pretrains ``configs/finetune/pretrain_demo.gin`` (built-in corpus, 30% of documents held
    out) unless its checkpoint exists;
@@ -13,18 +12,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
-import sys
 import time
+from collections.abc import Sequence
 
 from ode_lm import cli
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(os.path.dirname(HERE), "configs")
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs")
 PRETRAIN_GIN = os.path.join(CONFIGS, "finetune", "pretrain_demo.gin")
 FINETUNE_GIN = os.path.join(CONFIGS, "finetune", "demo.gin")
 ROOT = "/tmp/ode_lm/runs/ft_demo"
@@ -69,13 +69,25 @@ def zero_shot_perplexity(model, data_config, num_steps: int) -> float:
     return math.exp(total / count)
 
 
-def main() -> int:
-    p = cli.ArgumentParser(description=__doc__.splitlines()[1])
+def build_parser(prog: str = "ode-lm finetune-table") -> argparse.ArgumentParser:
+    doc = __doc__.splitlines()
+    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n".join(doc[2:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--pretrain_steps", type=int, default=60)
     p.add_argument("--finetune_steps", type=int, default=15)
-    p.add_argument("--depths", default="3,6,12")
-    p.add_argument("--methods", default="full,lora")
-    args = p.parse_args()
+    p.add_argument("--depths", type=cli.int_list, default=[3, 6, 12],
+                   help="fine-tuning depths M, comma-separated")
+    p.add_argument("--methods", default="full,lora", help="full, lora or both")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm finetune-table") -> int:
+    args = build_parser(prog).parse_args(argv)
+    cli.setup_logging()
+    return cli.run_command(prog, lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
 
     from ode_lm import finetune as ft
     from ode_lm.training import gin_setup
@@ -96,7 +108,7 @@ def main() -> int:
     print(f"held-out documents: {write_heldout(data_cfg.holdout_fraction, data_cfg.holdout_seed)}")
     pretrained, _ = load_model(pre_dir)
     rows = []
-    for m in [int(x) for x in args.depths.split(",")]:
+    for m in args.depths:
         before = None
         for method in args.methods.split(","):
             out = os.path.join(ROOT, f"{method}{m}")
@@ -122,7 +134,3 @@ def main() -> int:
     for m, method, frac, before, after in rows:
         print(f"| {m} | {method} | {frac:.1f} | {before:.2f} | {after:.2f} |")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,8 +1,8 @@
 """Look inside a trained model: trajectories, eigen-spectra, token Lyapunov exponents.
 
-  python tools/analyze.py spectral   --model_dir=DIR [--step=N] [--num_times=101] --out=OUT
-  python tools/analyze.py lyapunov   --model_dir=DIR --text="..." [--num_steps=M] --out=OUT
-  python tools/analyze.py trajectory --model_dir=DIR --text_file=F [--times=0,0.33,1] --out=OUT
+  ode-lm analyze spectral   --model_dir=DIR [--step=N] [--num_times=101] --out=OUT
+  ode-lm analyze lyapunov   --model_dir=DIR --text="..." [--num_steps=M] --out=OUT
+  ode-lm analyze trajectory --model_dir=DIR --text_file=F [--times=0,0.33,1] --out=OUT
 
 Works on checkpoints of the ODE model (any flavour) and of the discrete baselines. The
 tokenizer is the one the run's data manifest names (found through MODEL_DIR/data_config.json,
@@ -13,26 +13,19 @@ analysis section for what each figure means.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
+from collections.abc import Sequence
 
 from ode_lm import cli
 
 COMMANDS = ("trajectory", "spectral", "lyapunov")
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog="tools/analyze.py", description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=COMMANDS)
+def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
+    p = cli.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
+                           epilog="\n".join(__doc__.splitlines()[2:]),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=COMMANDS, help="the analysis to run")
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, help="output directory")
@@ -45,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--solver", default=None, choices=("euler", "midpoint", "rk4"))
     # spectral
     p.add_argument("--num_times", type=int, default=101, help="spectral: t values in [0, 1]")
-    p.add_argument("--times", type=_floats, default=None,
+    p.add_argument("--times", type=cli.float_list, default=None,
                    help="spectral / trajectory: explicit comma-separated t values")
     p.add_argument("--mlp_units", type=int, default=None,
                    help="spectral: random subset of MLP hidden units (default: all)")
@@ -94,24 +87,17 @@ def run(args: argparse.Namespace) -> list[str]:
     return head + [f"{len(tokens)} tokens"] + lines
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    start = time.perf_counter()
-    try:
-        lines = run(args)
-    except (ValueError, TypeError, OSError, KeyError) as e:
-        if os.environ.get("ODE_LM_DEBUG"):
-            raise
-        text = " ".join(str(e).split()) or type(e).__name__
-        print(f"analyze.py {args.command}: error: {text}", file=sys.stderr)
-        return 1
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm analyze") -> int:
+    args = build_parser(prog).parse_args(argv)
+    return cli.run_command(prog, lambda: analyze(args))
+
+
+def analyze(args: argparse.Namespace) -> int:
     from ode_lm.analysis.commands import write_summary
 
+    start = time.perf_counter()
+    lines = run(args)
     lines.append(f"{args.command} took {time.perf_counter() - start:.1f} s")
     write_summary(args.out, args.command, lines)
     print("\n".join(lines))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
