@@ -52,6 +52,7 @@ def test_per_layer_spectra_match_direct_eigenvalues(baseline):
     np.testing.assert_allclose(np.sort_complex(ev), np.sort_complex(spec.ov[1, 1]), atol=1e-9)
 
 
+@pytest.mark.slow
 def test_baseline_lyapunov_is_the_layer_map_tangent(baseline):
     cfg = baseline.config
     j = 4

@@ -60,6 +60,7 @@ def runs(tmp_path_factory):
 TOKENS = "5,9,33,2,17,40,8"
 
 
+@pytest.mark.slow
 def test_cli_all_commands_on_an_ode_checkpoint(runs, tmp_path, capsys):
     main = _analyze()
     out = tmp_path / "out"

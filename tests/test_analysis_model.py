@@ -73,6 +73,7 @@ def test_spectra_mlp_subset_and_npz_round_trip(model, tmp_path):
         np.testing.assert_array_equal(z["ov_imag"], spec.ov.imag)
 
 
+@pytest.mark.slow
 def test_trajectory_ends_at_the_forward_pass(model):
     traj = trajectory(model, TOKENS, num_steps=5, solver="midpoint")
     assert traj.states.shape == (6, len(TOKENS), 16)
@@ -110,6 +111,7 @@ def _brute_force(model, tokens, position, num_steps):
     return -np.sort(-logs, axis=-1)
 
 
+@pytest.mark.slow
 def test_lyapunov_on_the_model_matches_brute_force_and_is_causal(model):
     j = 5
     res = model_access.model_lyapunov(model, TOKENS, position=j, num_steps=2, chunk_size=5)

@@ -60,6 +60,7 @@ def run8(tmp_path_factory, data_config):
     return model_dir, host(trainer.state)
 
 
+@pytest.mark.slow
 def test_topology_change_8_to_4_to_1(run8, data_config, tmp_path):
     model_dir, saved = tmp_path / "run", run8[1]
     shutil.copytree(run8[0], model_dir)  # keep the 8-device run at step 3 for other tests
@@ -77,6 +78,7 @@ def test_topology_change_8_to_4_to_1(run8, data_config, tmp_path):
     assert steps == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_restore_model_on_one_cpu_from_8_device_run(run8):
     model_dir, saved = run8
     model, run = load_model(str(model_dir), step=3)

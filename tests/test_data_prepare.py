@@ -135,6 +135,7 @@ def test_empty_source_and_missing_manifest(tmp_path):
         load_manifest(tmp_path / "nowhere")
 
 
+@pytest.mark.slow
 def test_cli(tmp_path):
     src = write_jsonl(tmp_path / "raw.jsonl", small_texts(30))
     cmd = [sys.executable, "-m", "ode_lm", "prepare", f"--source={src}",

@@ -70,6 +70,7 @@ def tiny_config(**kw) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
+@pytest.mark.slow
 def test_model_traced_steps_and_kinetic_energy():
     model = build_model(tiny_config(), nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
@@ -112,6 +113,7 @@ def _run_steps(spec, config, seed, steps=6):
     return ns, losses, state
 
 
+@pytest.mark.slow
 def test_random_step_counts_are_seeded_and_drawn_from_the_set():
     spec = _spec(tiny_config(random_grid_offset=True))
     config = step_lib.StepConfig(num_steps_choices=(1, 2, 4), kinetic_energy_weight=0.1,
@@ -146,6 +148,7 @@ def test_smoothness_separates_paper_and_smooth_time_features():
     assert rates[1000.0] > 30 * rates[4.0], rates
 
 
+@pytest.mark.slow
 def test_adaptive_generation_equals_uncached_greedy():
     from ode_lm.generation import generate, greedy_uncached
 
@@ -194,6 +197,7 @@ def _operative_gin(data) -> str:
                       f"DataConfig.eval_max_batches = {data.eval_max_batches}"])
 
 
+@pytest.mark.slow
 def test_depth_report_end_to_end(tiny_run, tmp_path, capsys):
     from ode_lm.commands import depth_report as tool
 

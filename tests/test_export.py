@@ -33,6 +33,7 @@ needs_hf = pytest.mark.skipif(
     reason="torch/transformers not installed: pip install -e '.[hf]' for the hf round trip")
 
 
+@pytest.mark.slow
 def test_raw_round_trip_is_lossless_and_strips_optimizer(tmp_path):
     run = str(tmp_path / "run")
     make_run(run, tiny_config("llama"))

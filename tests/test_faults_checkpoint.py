@@ -280,6 +280,7 @@ FULL_DISK_CLI = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_train_cli_full_disk_one_line_no_traceback(data_config, tmp_path):
     model_dir = tmp_path / "run"
     gin_file = tmp_path / "run.gin"
@@ -313,6 +314,7 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", str(mount)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_train_cli_on_a_really_full_tmpfs(run2, data_config, small_tmpfs):
     step_dir = run2 / "checkpoints" / "1"
     one = sum(p.stat().st_size for p in step_dir.rglob("*") if p.is_file())

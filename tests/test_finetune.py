@@ -74,6 +74,7 @@ MeshConfig.ici_parallelism = (-1, 1, 1)
     return str(path)
 
 
+@pytest.mark.slow
 def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corpus, capsys):
     from ode_lm.eval import load_eval_run
     from ode_lm.export import export

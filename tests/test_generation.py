@@ -18,6 +18,7 @@ def tiny(flavour: str, **kw) -> nnx.Module:
 
 @pytest.mark.parametrize("flavour,solver,steps", [
     ("gpt2", "euler", 3), ("llama", "midpoint", 2), ("neox", "rk4", 2)])
+@pytest.mark.slow
 def test_cached_equals_uncached_greedy(flavour, solver, steps):
     model = tiny(flavour)
     prompts = [[1, 2, 3, 4, 5], [7, 8]]  # different lengths: left padding must not leak
@@ -28,6 +29,7 @@ def test_cached_equals_uncached_greedy(flavour, solver, steps):
         np.testing.assert_array_equal(row, ref)
 
 
+@pytest.mark.slow
 def test_materialised_model_cached_equals_uncached():
     from ode_lm.models.materialize import materialize
 
@@ -63,6 +65,7 @@ def test_bad_inputs():
         generate(model, [[1, 2]], max_new_tokens=40)
 
 
+@pytest.mark.slow
 def test_sample_cli_prints_text_and_speed(tmp_path, capsys):
     import json
     import os

@@ -30,6 +30,7 @@ def _perturb(model: LoRAModel, seed: int = 1) -> None:
         b[...] = 0.3 * jax.random.normal(jax.random.key(seed + i), b.shape)
 
 
+@pytest.mark.slow
 def test_materialised_lora_is_identity_at_init_and_merges_exactly():
     ode = build_model(tiny_config("neox"), nnx.Rngs(0))
     pm = materialize(ode, 4)
@@ -45,6 +46,7 @@ def test_materialised_lora_is_identity_at_init_and_merges_exactly():
     np.testing.assert_allclose(np.asarray(merged(TOKENS)), wrapped, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_continuous_lora_targets_hypernetwork_base_weights_at_every_depth():
     cfg = tiny_config("llama")
     ode = build_model(cfg, nnx.Rngs(0))
@@ -64,6 +66,7 @@ def test_continuous_lora_targets_hypernetwork_base_weights_at_every_depth():
                                   ode.block.layers["mlp_up"].a[...])
 
 
+@pytest.mark.slow
 def test_gradients_reach_lora_factors_and_counts():
     cfg = tiny_config("gpt2")
     lora = LoRAModel(build_model(cfg, nnx.Rngs(0)), cfg, LoRASpec(rank=4), nnx.Rngs(1))

@@ -53,6 +53,7 @@ def test_old_model_config_json_without_the_field_loads(tmp_path):
     assert RunDir(str(tmp_path)).model_config().attention_impl == "auto"
 
 
+@pytest.mark.slow
 def test_splash_matches_xla_on_a_packed_batch():
     """fp32: both forms compute the same softmax over the same keys; the kernel's online
     softmax only reassociates the sums (observed differences ~1e-7 of logits ~0.4)."""

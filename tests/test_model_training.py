@@ -33,6 +33,7 @@ def tokens(b=2, t=13, seed=0, vocab=64):
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+@pytest.mark.slow
 def test_gradients_finite_and_nonzero_for_every_hypernetwork_param(flavour):
     model = build_model(ModelConfig(flavour=flavour, **TINY), nnx.Rngs(0))
     g = flat_grads(model, tokens())
@@ -69,6 +70,7 @@ def test_normal_init_is_jax_random_normal():
     assert not np.array_equal(np.asarray(a), np.asarray(c))
 
 
+@pytest.mark.slow
 def test_generated_weights_have_baseline_init_scale_at_every_t():
     cfg = ModelConfig(**{**TINY, "d_model": 64, "time_embed_dim": 8, "sinusoidal_dim": 16})
     model = build_model(cfg, nnx.Rngs(0))
@@ -102,6 +104,7 @@ def test_bf16_forward_close_to_fp32():
     assert err < 0.05, err
 
 
+@pytest.mark.slow
 def test_precompute_and_remat_policies_match_in_scan():
     base = ModelConfig(**TINY, weight_generation="in_scan")
     model = build_model(base, nnx.Rngs(0))

@@ -77,12 +77,14 @@ def reference():
 
 
 @pytest.mark.parametrize("ici", [(8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)])
+@pytest.mark.slow
 def test_sharded_matches_single_device(ici, reference):
     losses, _ = train_losses(ici)
     np.testing.assert_allclose(losses, reference[0], atol=LOSS_ATOL, rtol=0)
     assert reference[0][-1] < reference[0][0]  # it trains
 
 
+@pytest.mark.slow
 def test_grad_accumulation_matches_full_batch(reference):
     losses, _ = train_losses((2, 2, 1), microbatches=2)
     np.testing.assert_allclose(losses, reference[0], atol=LOSS_ATOL, rtol=0)
@@ -97,6 +99,7 @@ def test_nan_guard_skips_update_and_counts():
     assert np.isfinite(losses[2])
 
 
+@pytest.mark.slow
 def test_loss_mask_and_abstract_batch_for_aot():
     mesh = pt.create_mesh((1, 1, 1), devices=jax.devices()[:1])
     tx, _ = optim.make_optimizer(optim.OptimizerConfig(), 10)

@@ -32,6 +32,7 @@ def test_prepare_data_once_single_process_has_no_barrier(monkeypatch):
     assert events == ["prepare"]
 
 
+@pytest.mark.slow
 def test_data_is_prepared_once_in_the_data_step_after_the_state(monkeypatch, tmp_path):
     """Building the trainer reads no data; run() prepares it once (one ensure_prepared, so
     one barrier on a pod), after the state is restored or initialised."""
