@@ -123,6 +123,10 @@ def run_gin_cli(
     except user_errors() as e:
         distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead
         return report_error(prog, e, verbose)
+    except KeyboardInterrupt as e:  # a second Ctrl-C (the trainer's StopNow), or one before
+        print(f"{prog}: {e or 'stopped by Ctrl-C before training started; nothing saved'}",
+              file=sys.stderr)  # the first step: one line, no traceback
+        return 130
     return report(result)
 
 

@@ -218,6 +218,56 @@ def create_writer(model_dir: str, process_index: int | None = None) -> MetricWri
     return MultiWriter([tb, JsonlWriter(os.path.join(model_dir, "metrics.jsonl"))])
 
 
+def trim_after(jsonl_path: str, event_paths: list[str], step: int) -> int:
+    """Drop what was logged for steps after ``step`` (the checkpoint a run resumes from):
+    ``metrics.jsonl`` rows and TensorBoard events, each file rewritten atomically, so the
+    resumed run's rows are the only ones for those steps. Returns the rows dropped."""
+    dropped = 0
+    if os.path.exists(jsonl_path):
+        with open(jsonl_path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _jsonl_step(line) <= step]
+        dropped = len(lines) - len(kept)
+        if dropped:
+            _replace(jsonl_path, lambda f: f.writelines(kept), "w")
+    for path in event_paths:
+        _trim_events(path, step)
+    return dropped
+
+
+def _jsonl_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", -1)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf  # a torn last line of a killed run: not part of the timeline
+
+
+def _trim_events(path: str, step: int) -> None:
+    """An event file without the events of steps after ``step`` (records copied verbatim)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    records = list(RawEventFileLoader(path).Load())
+    kept = [r for r in records if Event.FromString(r).step <= step]
+    if len(kept) == len(records):
+        return
+
+    def write(f):
+        writer = RecordWriter(f)
+        for r in kept:
+            writer.write(r)
+
+    _replace(path, write, "wb")
+
+
+def _replace(path: str, write: Callable[[Any], None], mode: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, mode) as f:
+        write(f)
+    os.replace(tmp, path)
+
+
 # --------------------------------------------------------------------------- progress
 
 

@@ -30,7 +30,7 @@ from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.evaluation import Evaluator
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
-from ode_lm.training.run_dir import RunDir
+from ode_lm.training.run_dir import RunDir, config_changes
 
 log = logging.getLogger("ode_lm.train")
 
@@ -81,7 +81,9 @@ class TrainResult:
     first_loss: float | None
     last_loss: float | None
     eval: dict[str, float]
-    preempted: bool = False
+    preempted: bool = False  # stopped early (SIGTERM, Ctrl-C, a pod's preemption), saved
+    stopped_by: str | None = None  # "SIGTERM", "Ctrl-C" or "preemption"
+    nothing_to_train: bool = False  # MODEL_DIR was at num_train_steps already: untouched
 
 
 # The input side, injectable so fine-tuning or tests can bring their own batches.
@@ -251,9 +253,15 @@ class Trainer:
         # 3. state (an incompatible checkpoint is refused before anything is written; a
         # damaged one falls back to the previous); 4. data, positioned at the state's step
         start, state, resumed = self.restore_or_init()
+        self.state = state
+        if start >= cfg.num_train_steps:  # the record changes only with training
+            self.print(f"nothing to train: MODEL_DIR is at step {start} \u2265 "
+                       f"TRAIN_STEPS={cfg.num_train_steps}")
+            return TrainResult(cfg.model_dir, start, None, None, {}, nothing_to_train=True)
         data_iterator, batches = self.data(start, resumed)
-        self._write_run_files()
-        partitioning.write_sharding_table(cfg.model_dir, self.mesh, self.sharding_table)
+        self._record = self._start_record(start, resumed)
+        self._recorded = False
+        self._trim_metrics(start)
         writer = metrics_lib.create_writer(cfg.model_dir)
         if self.operative_config is not None:
             writer.write_texts(start, {"config": gin.markdown(self.operative_config())})
@@ -278,7 +286,7 @@ class Trainer:
                             total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps)
         watcher = ckpt_lib.PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {})
-        step = start
+        step, self._saved = start, (start if resumed else None)
         try:
             with jax.set_mesh(self.mesh):
                 while step < cfg.num_train_steps:
@@ -289,25 +297,30 @@ class Trainer:
                         # the save waits for this step's state anyway: log it first, so a
                         # crash after the checkpoint leaves no gap in metrics.jsonl
                         reader.drain(dispatched=step)
-                    self.checkpointer.save(step, state, data_iterator)
+                    self._save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
                         reader.drain(dispatched=step)
                         self._log_eval(writer, step, self.evaluate(state["params"], step))
                         window.restart()
                     if watcher.should_stop(step):
-                        result.preempted = True
+                        result.preempted, result.stopped_by = True, watcher.reason
                         break
                 reader.drain(dispatched=step)
-            self.checkpointer.save(step, state, data_iterator, force=True)
+            self._save(step, state, data_iterator, force=True)
             self.checkpointer.wait()
             result.step = step
             result.first_loss, result.last_loss = reader.first_loss, reader.last_loss
             if result.preempted:
-                self.print(f"preempted: saved step {step} to {self.checkpointer.directory}; "
-                           "rerun the same command to continue")
+                self.print(f"stopped by {result.stopped_by} after step {step}; "
+                           "checkpoint saved")
             else:
                 result.eval = self.evaluate(state["params"], step)
                 self._log_eval(writer, step, result.eval)
+        except ckpt_lib.StopNow:
+            kept = (f"the latest checkpoint is step {self._saved}" if self._saved is not None
+                    else "no checkpoint was saved")
+            raise ckpt_lib.StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; "
+                                   f"{kept}") from None
         finally:
             watcher.uninstall()
             writer.flush()
@@ -322,12 +335,51 @@ class Trainer:
                            if not k.startswith(("eval/tokens", "eval/nfe")))
         self.print(f"eval @ step {step} | {shown}")
 
+    def _start_record(self, start: int, resumed: bool) -> tuple[int, str] | None:
+        """(start, operative config) when this start's config is to be kept: a first start,
+        or a resume whose settings differ from those the checkpoint was trained with (said
+        in one line); None otherwise. Written with this start's first checkpoint."""
+        if self.operative_config is None or jax.process_index() != 0:
+            return None
+        text = self.operative_config()
+        if not resumed:
+            return 0, text
+        previous = RunDir(self.cfg.model_dir).config_at(start)
+        if previous is None:
+            return start, text
+        changes = config_changes(previous[1], text)
+        if not changes:
+            return None
+        name = os.path.basename(RunDir(self.cfg.model_dir).start_config(start))
+        self.print(f"settings changed at step {start} ({name}): {', '.join(changes)}")
+        return start, text
+
+    def _trim_metrics(self, start: int) -> None:
+        """Drop metrics logged after the checkpoint this start resumes from: one timeline."""
+        if jax.process_index() != 0:
+            return
+        run = RunDir(self.cfg.model_dir)
+        dropped = metrics_lib.trim_after(run.metrics, run.event_files(), start)
+        if dropped:
+            self.print(f"dropped {dropped} metrics rows logged after step {start}, the "
+                       "checkpoint this run resumes from")
+
+    def _save(self, step: int, state: Any, data_iterator: Any, force: bool = False) -> None:
+        """A checkpoint (on the interval, or ``force``); this start's first one also writes
+        the run files: the record says what the checkpoints were trained with."""
+        if not self.checkpointer.save(step, state, data_iterator, force=force):
+            return
+        self._saved = step
+        if not self._recorded:
+            self._recorded = True
+            self._write_run_files()
+
     def _write_run_files(self) -> None:
         if jax.process_index() != 0:
             return
-        operative = self.operative_config() if self.operative_config is not None else None
         RunDir(self.cfg.model_dir).write_run_files(self.model_config, self.data_config,
-                                                   operative)
+                                                   self._record)
+        partitioning.write_sharding_table(self.cfg.model_dir, self.mesh, self.sharding_table)
 
 
 def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
