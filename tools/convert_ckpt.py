@@ -36,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="load the export back and compare logits with ode-lm")
     p.add_argument("--data_dir", default=None,
                    help="prepared data dir whose tokenizer to copy (default: the run's)")
+    p.add_argument("--weights_only", action="store_true",
+                   help="export without the run's tokenizer (its data dir may be gone)")
     p.add_argument("--max_shard_mb", type=float, default=2048.0,
                    help="safetensors shard size above which the export is sharded")
     return p.parse_args(argv)
@@ -51,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model_dir, args.format, args.out, step=args.step, num_steps=args.num_steps,
             dtype=args.dtype, verify_logits=args.verify, data_dir=args.data_dir,
             max_shard_bytes=int(args.max_shard_mb * 1024 * 1024),
+            weights_only=args.weights_only,
         )
     except (ValueError, TypeError, OSError, ImportError, AssertionError) as e:
         if os.environ.get("ODE_LM_DEBUG"):

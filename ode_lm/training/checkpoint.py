@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
+import re
 import signal
 import threading
 from typing import Any
@@ -359,16 +361,42 @@ def _check_data_item(step_dir: epath.Path) -> None:
 
 
 def _damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:
-    """Warn about a damaged step, or raise when no earlier one is left to fall back to."""
+    """Warn, in one line, about a damaged step (the step used instead, the damaged one, the
+    cause in a few words), or raise when no earlier one is left to fall back to."""
     step_dir = directory / str(step)
     if not rest:
         raise CheckpointDamagedError(
-            f"checkpoint {step_dir} is damaged ({_reason(e)}) and no earlier complete "
+            f"checkpoint {step_dir} is damaged ({damage_cause(e)}) and no earlier complete "
             "checkpoint is left; nothing was deleted (restore it from a copy, or move "
             "the checkpoints away to start afresh)"
         ) from e
-    log.warning("checkpoint step %d (%s) is damaged (%s); falling back to step %d",
-                step, step_dir, _reason(e), rest[0])
+    log.warning("checkpoint step %d is damaged (%s): falling back to step %d", step,
+                damage_cause(e), rest[0])
+
+
+_CAUSES = (  # (words in the error chain, the cause in a few words); first match wins
+    (("OUT_OF_RANGE", "byte range", "Unexpected end", "truncated", "EOF"),
+     "a file is truncated"),
+    (("Expecting value", "JSONDecodeError", "empty"), "a file is empty or not JSON"),
+    (("NOT_FOUND", "No such file", "does not exist"), "a file is missing"),
+    (("DATA_LOSS", "corrupt", "checksum", "Error decoding", "Failed to decode"),
+     "a file is corrupt"),
+)
+
+
+def damage_cause(e: BaseException) -> str:
+    """Why a checkpoint did not read back, in a few words (TensorStore's own message runs
+    to ~460 characters); the file named when the error chain names one."""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(f"{type(x).__name__}: {x}")
+        x = x.__cause__ or x.__context__
+    text = " ".join(chain)
+    first = " ".join(str(chain[-1]).split())
+    cause = next((c for words, c in _CAUSES if any(w in text for w in words)),
+                 first if len(first) <= 80 else first[:77] + "...")
+    name = re.search(r'(?:reading|file) "([^"]+)"', text)
+    return f"{cause}: {name.group(1)}" if name and "/" not in name.group(1) else cause
 
 
 def _restore_args(abstract: Any) -> Any:
@@ -396,7 +424,8 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
     ``step``, a damaged latest step falls back to the previous complete one (warning);
     a damaged requested ``step`` raises CheckpointDamagedError.
     """
-    directory = epath.Path(model_dir) / CHECKPOINT_SUBDIR
+    local = "://" not in model_dir  # orbax wants absolute paths: a relative one read as damaged
+    directory = epath.Path(os.path.abspath(model_dir) if local else model_dir) / CHECKPOINT_SUBDIR
     steps = _complete_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {directory}")

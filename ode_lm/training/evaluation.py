@@ -44,8 +44,9 @@ class Evaluator:
 
     def __init__(self, spec: StateSpec, batches: Callable[[], Iterable[dict]], *,
                  model_num_steps: int | None, model_rtol: float | None = None,
-                 what: str = "the eval pipeline"):
+                 what: str = "the eval pipeline", num_batches: int | None = None):
         self.spec, self.batches, self.what = spec, batches, what
+        self.num_batches = num_batches  # for the progress line's ETA (None: no ETA)
         self.model_num_steps, self.model_rtol = model_num_steps, model_rtol
         self._steps: dict[tuple, Callable] = {}
 
@@ -56,8 +57,11 @@ class Evaluator:
         if key not in self._steps:
             self._steps[key] = step_lib.make_eval_step(self.spec, num_steps, solver,
                                                        rtol=rtol, atol=atol)
+        label = "eval" + metric_suffix(num_steps, self.model_num_steps, solver,
+                                       rtol if rtol is not None else self.model_rtol)
         with jax.set_mesh(self.spec.mesh):
-            return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what)
+            return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what,
+                                     total=self.num_batches, label=label)
 
     def sweep(self, params: Any, num_steps: Sequence[int | None] = (None,),
               solver: str | None = None, *, rtol: float | None = None,
@@ -75,5 +79,7 @@ class Evaluator:
             results[f"eval/loss{label}"] = res.loss
             results[f"eval/perplexity{label}"] = res.perplexity
             results[f"eval/nfe{label}"] = res.nfe
+            if adaptive:  # the fraction of batches whose solve stopped at the step cap
+                results[f"eval/capped{label}"] = res.capped
             results.setdefault("eval/tokens", res.tokens)
         return results
