@@ -132,7 +132,7 @@ def export(
         verify.require_hf()  # before the export is written, not after
     data_dir = None if weights_only else data_dir or run.data_dir()
     if not weights_only:
-        tokenizer_files.check_tokenizer_source(data_dir, model_dir)
+        tokenizer_files.check_tokenizer_source(data_dir)
     model, loaded = load_model(model_dir, step)
     config, step = loaded.config, loaded.step
     os.makedirs(out_dir, exist_ok=True)

@@ -40,14 +40,11 @@ def token_ids(data_dir: str | None) -> dict[str, int]:
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
 
 
-def check_tokenizer_source(data_dir: str | None, model_dir: str) -> None:
-    """An export carries the run's tokenizer: refuse, in one line, when its data dir (the
-    manifest naming the tokenizer) is gone, unless a weights-only export was asked for."""
-    if data_dir is None:
-        raise FileNotFoundError(
-            f"--model_dir={model_dir} records no data dir, so its tokenizer can't be "
-            "exported: pass --data_dir=DIR (the prepared data), or --weights_only")
-    if _manifest(data_dir) is None:
+def check_tokenizer_source(data_dir: str | None) -> None:
+    """An export carries the run's tokenizer: refuse, in one line, when the data dir that
+    holds it (the run's, or ``--data_dir``) is gone, unless a weights-only export was asked
+    for. A run that records no data at all (built in code) exports its weights alone."""
+    if data_dir is not None and _manifest(data_dir) is None:
         raise FileNotFoundError(
             f"the run's data dir {data_dir} is missing (no manifest.json), so its tokenizer "
             "can't be exported: pass --data_dir=DIR, or --weights_only for weights alone")
