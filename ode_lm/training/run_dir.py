@@ -256,12 +256,16 @@ def _gin_literal_bindings(text: str, selector: str) -> dict[str, Any]:
     return out
 
 
-def config_changes(old: str, new: str, limit: int = 6) -> list[str]:
+def config_changes(old: str, new: str, limit: int = 6, *, model_dir: str | None = None
+                   ) -> list[str]:
     """``NAME old → new`` for each binding or macro that differs between two operative gin
-    configs (gin's parser, nothing bound); at most ``limit`` entries, then ``+k more``."""
+    configs (gin's parser, nothing bound); at most ``limit`` entries, then ``+k more``.
+    A binding whose new value is ``model_dir`` is where the run lives (a moved or copied
+    run), not how it trains: not a change."""
     a, b = _gin_values(old), _gin_values(new)
+    here = repr(model_dir) if model_dir is not None else None
     changes = [f"{k} {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
-               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and b.get(k) != here]
     if len(changes) > limit:
         changes = [*changes[:limit], f"+{len(changes) - limit} more"]
     return changes

@@ -318,7 +318,7 @@ class Trainer:
                 self._log_eval(writer, step, result.eval)
         except ckpt_lib.StopNow:
             kept = (f"the latest checkpoint is step {self._saved}" if self._saved is not None
-                    else "no checkpoint was saved")
+                    else "nothing was saved")
             raise ckpt_lib.StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; "
                                    f"{kept}") from None
         finally:
@@ -347,7 +347,7 @@ class Trainer:
         previous = RunDir(self.cfg.model_dir).config_at(start)
         if previous is None:
             return start, text
-        changes = config_changes(previous[1], text)
+        changes = config_changes(previous[1], text, model_dir=self.cfg.model_dir)
         if not changes:
             return None
         name = os.path.basename(RunDir(self.cfg.model_dir).start_config(start))
