@@ -335,7 +335,7 @@ def test_config_changes_name_each_binding():
 
 
 def test_second_sigint_raises_stop_now():
-    from ode_lm.training.checkpoint import PreemptionWatcher, StopNow
+    from ode_lm.training.preemption import PreemptionWatcher, StopNow
 
     w = PreemptionWatcher().install()
     try:

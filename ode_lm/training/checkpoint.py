@@ -1,5 +1,5 @@
 """Orbax checkpoints: async saves every N steps, retention, resume onto the current mesh,
-params-only restore for tools, and SIGTERM / Ctrl-C / preemption handling.
+params-only restore for tools (SIGTERM / Ctrl-C / preemption: ``preemption.py``).
 
 Layout: ``MODEL_DIR/checkpoints/<step>/{state,data}``. ``state`` is the train-state dict
 (see state.py); ``data`` is the grain iterator state. Orbax writes each step into a
@@ -22,8 +22,6 @@ import json
 import logging
 import os
 import re
-import signal
-import threading
 from typing import Any
 
 import grain
@@ -35,6 +33,7 @@ from etils import epath
 from ode_lm.config_types import check_types
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
+from ode_lm.training.preemption import PreemptionWatcher, StopNow  # noqa: F401 - re-exported
 from ode_lm.training.save_worker import (
     FrozenIteratorState,
     SaveWorker,
@@ -469,52 +468,6 @@ def _restore_params_at(path: epath.Path, abstract_params: Any) -> Any:
     finally:
         handler.close()
     return restored["params"]
-
-
-# -------------------------------------------------------------------- preemption
-
-
-class PreemptionWatcher:
-    """Turns SIGTERM, Ctrl-C (SIGINT) and JAX's preemption sync point on pods into a 'stop
-    after this step' (the trainer then saves); a second Ctrl-C stops at once by raising
-    :class:`StopNow` wherever the loop is, so nothing more is saved."""
-
-    SIGNALS = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}
-
-    def __init__(self):
-        self._event = threading.Event()
-        self._previous: dict[int, Any] = {}
-        self.reason: str | None = None  # "SIGTERM", "Ctrl-C" or "preemption"
-
-    def install(self) -> PreemptionWatcher:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def _handle(self, signum, frame):
-        if signum == signal.SIGINT and self.reason == "Ctrl-C":
-            raise StopNow()
-        self.reason = self.reason or self.SIGNALS[signum]
-        self._event.set()
-
-    def uninstall(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
-
-    def should_stop(self, step: int) -> bool:
-        if self._event.is_set():
-            return True
-        # orbax's check of JAX's preemption sync point (the one the checkpoint manager's
-        # save decision uses; False when the preemption service is not running)
-        if jax.process_count() > 1 and ocp.multihost.reached_preemption(step):
-            self.reason = "preemption"
-            return True
-        return False
-
-
-class StopNow(KeyboardInterrupt):  # noqa: N818 - a KeyboardInterrupt, named for what it does
-    """A second Ctrl-C: stop at once, without a save (the CLI prints ``str(self)``)."""
 
 
 def tree_equal(a: Any, b: Any) -> bool:

@@ -79,7 +79,5 @@ class Evaluator:
             results[f"eval/loss{label}"] = res.loss
             results[f"eval/perplexity{label}"] = res.perplexity
             results[f"eval/nfe{label}"] = res.nfe
-            if adaptive:  # the fraction of batches whose solve stopped at the step cap
-                results[f"eval/capped{label}"] = res.capped
             results.setdefault("eval/tokens", res.tokens)
         return results

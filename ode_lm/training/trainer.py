@@ -30,6 +30,7 @@ from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.evaluation import Evaluator
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
+from ode_lm.training.preemption import PreemptionWatcher, StopNow
 from ode_lm.training.run_dir import RunDir, config_changes
 
 log = logging.getLogger("ode_lm.train")
@@ -284,7 +285,7 @@ class Trainer:
                                           peak_flops=peak, total_steps=cfg.num_train_steps)
         reader = metrics_lib.StepReader(window, writer, self.print, log_every=cfg.log_every,
                             total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps)
-        watcher = ckpt_lib.PreemptionWatcher().install()
+        watcher = PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {})
         step, self._saved = start, (start if resumed else None)
         try:
@@ -316,10 +317,10 @@ class Trainer:
             else:
                 result.eval = self.evaluate(state["params"], step)
                 self._log_eval(writer, step, result.eval)
-        except ckpt_lib.StopNow:
+        except StopNow:
             kept = (f"the latest checkpoint is step {self._saved}" if self._saved is not None
                     else "nothing was saved")
-            raise ckpt_lib.StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; "
+            raise StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; "
                                    f"{kept}") from None
         finally:
             watcher.uninstall()
