@@ -263,6 +263,17 @@ def test_token_ids_never_null(tmp_path):
 # ------------------------------------------------------- 4. adaptive step cap
 
 
+@slow
+def test_eval_cli_warns_in_one_line_when_the_step_cap_is_hit(work, finished):
+    before = tree_hash(finished)
+    r = _cmd(work, ["-m", "ode_lm.eval", f"--model_dir={finished}", "--solver=adaptive",
+                    "--rtol=1e-9", "--atol=1e-12"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = _lines(r.stderr)
+    assert len(lines) == 1 and "step cap (256) on 1 of 1 batches (100%)" in lines[0], r.stderr
+    assert tree_hash(finished) == before
+
+
 def test_adaptive_solve_reports_the_step_cap():
     from ode_lm.models.solvers import solve_adaptive
 
