@@ -232,6 +232,18 @@ class Trainer:
             log.warning("no data iterator state at step %d: using the step-derived position", start)
         return data_iterator, batches
 
+    def check_prepared_data(self) -> None:
+        """The data step's checks against an already prepared DATA_DIR, reading only (a
+        missing one is not prepared: there is nothing to train)."""
+        own_train, own_eval = self.own_data
+        data_dir = getattr(self.data_config, "data_dir", None)
+        if not own_train or not data_dir or getattr(self.data_config, "streaming", False):
+            return
+        if not os.path.exists(os.path.join(data_dir, "manifest.json")):
+            return
+        manifest = prepare_data_once(self.data_config)
+        check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
+
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
         """The model's own N and the depth sweep, named as in ``training.evaluation``, plus
         ``TrainConfig.lm_eval_tasks`` (``lm_eval/<task>/<metric>``)."""
@@ -256,6 +268,7 @@ class Trainer:
         start, state, resumed = self.restore_or_init()
         self.state = state
         if start >= cfg.num_train_steps:  # the record changes only with training
+            self.check_prepared_data()  # a bad data setting is still an error, read-only
             self.print(f"nothing to train: MODEL_DIR is at step {start} \u2265 "
                        f"TRAIN_STEPS={cfg.num_train_steps}")
             return TrainResult(cfg.model_dir, start, None, None, {}, nothing_to_train=True)
