@@ -226,7 +226,8 @@ class Trainer:
         own_train, own_eval = self.own_data
         if own_train:
             manifest = prepare_data_once(self.data_config)
-            check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
+            self.evaluator.num_batches = check_vocab(self.model_config, self.data_config,
+                                                     manifest, evaluate=own_eval)
         data_iterator, batches = self.train_data(self.data_config, self.mesh, self.rules, start)
         if resumed and not self.checkpointer.restore_data(start, data_iterator):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
@@ -444,10 +445,11 @@ def default_eval_data(data_config: Any, mesh, rules):
 
 
 def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
-                evaluate: bool = True) -> None:
+                evaluate: bool = True) -> int | None:
     """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
-    the default eval data) the validation split holds at least one eval batch, from the
-    manifest alone (``prepare_data_once`` has checked the data dir itself)."""
+    the default eval data) the validation split holds at least one eval batch (returned:
+    their number), from the manifest alone (``prepare_data_once`` has checked the data dir
+    itself)."""
     from ode_lm import data as data_lib
 
     if manifest["vocab_size"] > model_config.vocab_size:
@@ -455,6 +457,7 @@ def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
             f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
             f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
         )
-    if evaluate:
-        data_lib.check_eval_split(data_config, manifest)
+    if evaluate:  # the eval batches, for the eval's progress line
+        return data_lib.check_eval_split(data_config, manifest)
+    return None
 
