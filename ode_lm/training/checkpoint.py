@@ -423,6 +423,7 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
     ``step``, a damaged latest step falls back to the previous complete one (warning);
     a damaged requested ``step`` raises CheckpointDamagedError.
     """
+    install_save_noise_filters()  # a damaged step's failed reads report like a failed save
     local = "://" not in model_dir  # orbax wants absolute paths: a relative one read as damaged
     directory = epath.Path(os.path.abspath(model_dir) if local else model_dir) / CHECKPOINT_SUBDIR
     steps = _complete_steps(directory)

@@ -1,4 +1,5 @@
-"""Quiet orbax's own reports of a failed checkpoint save.
+"""Quiet orbax's own reports of a failed checkpoint save (and of a damaged step's failed
+reads, whose other reads complete the same way after their loop is closed).
 
 A failed background save (a full disk) is logged with its traceback by orbax (absl, from
 several threads), by asyncio (its unretrieved write futures) and, through
