@@ -2,7 +2,9 @@
 
 It reads top to bottom in that order and never branches on a mode: ``__init__`` builds the
 mesh and the abstract state; ``run`` restores (or initialises) the state, then prepares the
-data and positions it at the state's step, then steps, saving and evaluating. Fine-tuning
+data and positions it at the state's step, then steps, saving and evaluating. The run
+directory's record changes only with training: a start with nothing to train writes nothing,
+and the run files come with a start's first checkpoint (``run_dir.py``). Fine-tuning
 reuses it by passing ``init_params_fn`` (e.g. load a pretrained run) and ``trainable`` (e.g.
 LoRA parameters only); depth sweeps, evaluation and export reuse the same pieces.
 """
@@ -270,7 +272,7 @@ class Trainer:
         self.state = state
         if start >= cfg.num_train_steps:  # the record changes only with training
             self.check_prepared_data()  # a bad data setting is still an error, read-only
-            self.print(f"nothing to train: MODEL_DIR is at step {start} \u2265 "
+            self.print(f"nothing to train: MODEL_DIR is at step {start} ≥ "
                        f"TRAIN_STEPS={cfg.num_train_steps}")
             return TrainResult(cfg.model_dir, start, None, None, {}, nothing_to_train=True)
         data_iterator, batches = self.data(start, resumed)
@@ -334,8 +336,8 @@ class Trainer:
         except StopNow:
             kept = (f"the latest checkpoint is step {self._saved}" if self._saved is not None
                     else "nothing was saved")
-            raise StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; "
-                                   f"{kept}") from None
+            raise StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; {kept}"
+                          ) from None
         finally:
             watcher.uninstall()
             writer.flush()
