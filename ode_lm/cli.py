@@ -219,6 +219,10 @@ def run_gin_cli(
     except user_errors() as e:
         distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead
         return report_error(prog, e, verbose)
+    except KeyboardInterrupt as e:  # a second Ctrl-C (the trainer's StopNow), or one outside
+        print(f"{prog}: {e or 'stopped by Ctrl-C outside the train loop; nothing more saved'}",
+              file=sys.stderr)  # the loop: one line, no traceback
+        return 130
     return report(result)
 
 

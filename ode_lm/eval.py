@@ -70,7 +70,12 @@ class EvalRun:
 
     def evaluator(self, split: str = "validation"):
         """``training.evaluation.Evaluator`` over the whole split (what the trainer uses)."""
-        from ode_lm.data import make_eval_iterator, to_global_batch
+        from ode_lm.data import (
+            check_eval_split,
+            load_manifest,
+            make_eval_iterator,
+            to_global_batch,
+        )
         from ode_lm.training.evaluation import Evaluator
 
         def batches():
@@ -79,7 +84,9 @@ class EvalRun:
 
         return Evaluator(self.spec, batches, model_num_steps=self.model_config.num_steps,
                          model_solver=self.model_config.solver, model_rtol=self.model_config.rtol,
-                         what=f"split {split!r} of {self.data_config.data_dir}")
+                         what=f"split {split!r} of {self.data_config.data_dir}",
+                         num_batches=check_eval_split(
+                             self.data_config, load_manifest(self.data_config.data_dir), split))
 
     def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
                  rtol: float | None = None, atol: float | None = None,

@@ -206,7 +206,7 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     )
     result = trainer.run()
     info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and not result.nothing_to_train:  # nothing trained: untouched
         RunDir(model_dir).write_finetune_result({**info, "step": result.step, "eval": result.eval})
     return result, info
 
@@ -226,7 +226,7 @@ def _report(outcome) -> int:
     result, _ = outcome
     for k, v in result.eval.items():
         print(f"{k}: {v:.4f}")
-    return 0
+    return 130 if result.stopped_by == "Ctrl-C" else 0
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-finetune") -> int:

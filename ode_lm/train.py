@@ -3,7 +3,9 @@
 
 Thin CLI: flags → gin → :func:`ode_lm.training.gin_setup.train`. User errors print one line
 and exit 2 (a command line that does not parse) or 1 (bad gin value, bad mesh, bad MODEL_DIR,
-incompatible checkpoint ...).
+incompatible checkpoint ...). Ctrl-C: the first saves at the next step boundary (``stopped by
+Ctrl-C after step k; checkpoint saved``), a second stops at once (one line on stderr, no
+save); both exit 130.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ EXAMPLE = """examples:
 
 
 def report(result) -> int:
-    """The run summary on stdout (process 0 prints; every process returns 0)."""
-    if result.preempted:
-        print(f"ode-lm-train: stopped by SIGTERM after step {result.step}; checkpoint saved")
-        return 0
+    """The run summary on stdout (process 0 prints). A run stopped early or with nothing to
+    train has said so in its one line already: exit 130 after Ctrl-C (the user's stop, so
+    ``train && eval`` stops too), else 0 (SIGTERM: the scheduler reruns the command)."""
+    if result.preempted or result.nothing_to_train:
+        return 130 if result.stopped_by == "Ctrl-C" else 0
     summary = [f"model dir: {result.model_dir}",
                f"checkpoints: {os.path.join(result.model_dir, 'checkpoints')}",
                f"tensorboard: tensorboard --logdir {result.model_dir}",

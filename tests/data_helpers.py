@@ -45,6 +45,14 @@ def small_texts(n: int = 60) -> list[str]:
             for i in range(n)]
 
 
+def tree_hash(root: pathlib.Path) -> dict[str, str]:
+    """relative path -> sha256 of every file, and '<dir>' for every directory."""
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            if p.is_file() else "<dir>" for p in sorted(root.rglob("*"))}
+
+
 def take(it, n):
     return [next(it) for _ in range(n)]
 

@@ -8,7 +8,6 @@ small trained run and its prepared data dir, both hashed before and after every 
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -16,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from data_helpers import micro_cli_gin
+from data_helpers import micro_cli_gin, tree_hash
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +45,6 @@ def _ode_lm(workdir: Path, argv: list[str], script: str | None = None
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     cmd = [script, *argv] if script else [sys.executable, "-m", "ode_lm", *argv]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-
-
-def tree_hash(root: Path) -> dict[str, str]:
-    """relative path -> sha256 of every file, and '<dir>' for every directory."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "<dir>"
-    return out
 
 
 @pytest.fixture(scope="module")

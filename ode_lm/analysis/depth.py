@@ -64,19 +64,28 @@ def depth_curve(evaluate: Callable[..., Any], *, num_steps: Sequence[int] = DEFA
                 log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """{"ppl": {solver: {"N": ppl}}, "nfe": {solver: {"N": nfe}}, "adaptive": [{"rtol",
     "ppl", "nfe"}]} from ``evaluate(num_steps, solver, rtol=, atol=) -> EvalResult``."""
+    from ode_lm.training.metrics import Progress
+
     ppl: dict[str, dict[str, float]] = {}
     nfe: dict[str, dict[str, float]] = {}
+    progress = Progress("depth report", len(solvers) * len(num_steps) + len(rtols),
+                        unit="evaluations")
     for solver in solvers:
         ppl[solver], nfe[solver] = {}, {}
         for n in num_steps:
             res = evaluate(n, solver)
             ppl[solver][str(n)], nfe[solver][str(n)] = res.perplexity, res.nfe
             log(f"{solver:>8} N={n:<3d} ppl {res.perplexity:10.2f}")
+            progress.update(progress.done_items + 1)
     adaptive = []
     for rtol in rtols:
         res = evaluate(None, adaptive_solver, rtol=rtol, atol=atol)
-        adaptive.append({"rtol": rtol, "ppl": res.perplexity, "nfe": res.nfe})
-        log(f"{adaptive_solver:>8} rtol={rtol:g} ppl {res.perplexity:10.2f} NFE {res.nfe:.1f}")
+        capped = getattr(res, "capped", 0.0)
+        adaptive.append({"rtol": rtol, "ppl": res.perplexity, "nfe": res.nfe, "capped": capped})
+        log(f"{adaptive_solver:>8} rtol={rtol:g} ppl {res.perplexity:10.2f} NFE {res.nfe:.1f}"
+            + (f" (step cap hit on {100 * capped:.0f}% of batches)" if capped else ""))
+        progress.update(progress.done_items + 1)
+    progress.done()
     return {"ppl": ppl, "nfe": nfe, "adaptive": adaptive}
 
 

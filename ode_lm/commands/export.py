@@ -35,6 +35,8 @@ def build_parser(prog: str = "ode-lm export") -> argparse.ArgumentParser:
                    help="load the export back and compare logits with ode-lm")
     p.add_argument("--data_dir", default=None,
                    help="prepared data dir whose tokenizer to copy (default: the run's)")
+    p.add_argument("--weights_only", action="store_true",
+                   help="export without the run's tokenizer (its data dir may be gone)")
     p.add_argument("--max_shard_mb", type=float, default=2048.0,
                    help="safetensors shard size above which the export is sharded")
     return p
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     result = export(
         args.model_dir, args.format, args.out, step=args.step, num_steps=args.num_steps,
         dtype=args.dtype, verify_logits=args.verify, data_dir=args.data_dir,
-        max_shard_bytes=int(args.max_shard_mb * 1024 * 1024),
+        max_shard_bytes=int(args.max_shard_mb * 1024 * 1024), weights_only=args.weights_only,
     )
     print(f"exported step {result.step} of {args.model_dir} as {result.format} to {result.out_dir}"
           f" ({len(result.files)} files, {time.time() - t0:.1f}s)")

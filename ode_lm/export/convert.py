@@ -113,7 +113,10 @@ def export(
     verify_logits: bool = False,
     data_dir: str | None = None,
     max_shard_bytes: int = safetensors_io.DEFAULT_MAX_SHARD_BYTES,
+    weights_only: bool = False,
 ) -> ExportResult:
+    """``weights_only``: export without the run's tokenizer (no tokenizer files, no special
+    token ids); otherwise a missing data dir is refused before anything is written."""
     from ode_lm.training.run_dir import RunDir, load_model
 
     if not os.path.isdir(model_dir):
@@ -127,10 +130,12 @@ def export(
         raise FileExistsError(f"--out={out_dir}: directory exists and is not empty")
     if verify_logits and fmt != "raw":
         verify.require_hf()  # before the export is written, not after
+    data_dir = None if weights_only else data_dir or run.data_dir()
+    if not weights_only:
+        tokenizer_files.check_tokenizer_source(data_dir)
     model, loaded = load_model(model_dir, step)
     config, step = loaded.config, loaded.step
     os.makedirs(out_dir, exist_ok=True)
-    data_dir = data_dir or run.data_dir()
     if fmt == "raw":
         from ode_lm.export.raw import save_raw
 

@@ -29,13 +29,25 @@ def _manifest(data_dir: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def token_ids(data_dir: str | None) -> dict[str, int | None]:
+def token_ids(data_dir: str | None) -> dict[str, int]:
     """bos/eos/pad ids for config.json: all the EOS (GPT-2 style documents are EOS-separated;
-    padding is masked out, so any id will do). None without a tokenizer, so a stock class's
-    defaults (GPT-2's 50256, Llama's 1/2) never stand in for ids this vocabulary lacks."""
+    padding is masked out, so any id will do). Empty without a tokenizer (a weights-only
+    export): an export never writes a null id; the loader must then be told the ids."""
     m = _manifest(data_dir) if data_dir else None
     eos = _eos_id(m)
+    if eos is None:
+        return {}
     return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+
+
+def check_tokenizer_source(data_dir: str | None) -> None:
+    """An export carries the run's tokenizer: refuse, in one line, when the data dir that
+    holds it (the run's, or ``--data_dir``) is gone, unless a weights-only export was asked
+    for. A run that records no data at all (built in code) exports its weights alone."""
+    if data_dir is not None and _manifest(data_dir) is None:
+        raise FileNotFoundError(
+            f"the run's data dir {data_dir} is missing (no manifest.json), so its tokenizer "
+            "can't be exported: pass --data_dir=DIR, or --weights_only for weights alone")
 
 
 def generation_config(ids: dict[str, int | None]) -> dict[str, object]:

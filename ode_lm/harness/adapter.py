@@ -42,6 +42,7 @@ from lm_eval.models.utils import (
 )
 
 from ode_lm import generation
+from ode_lm.training.metrics import Progress
 
 LoglikelihoodRequest = tuple[Any, list[int], list[int]]  # (cache key, context, continuation)
 
@@ -132,6 +133,7 @@ class OdeLM(TemplateLM):
         # Longest first (as HFLM): rows of one batch have similar widths, so little padding.
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         out: list[tuple[float, bool]] = [(0.0, False)] * len(windows)
+        progress = Progress("lm-eval log-likelihood", len(order), unit="requests")
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             for i, res in zip(chunk, self._score_batch([windows[i] for i in chunk]),
@@ -139,6 +141,8 @@ class OdeLM(TemplateLM):
                 out[i] = res
                 if requests[i][0] is not None:
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], res)
+            progress.update(start + len(chunk))
+        progress.done()
         return out
 
     def _score_batch(self, windows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
@@ -209,6 +213,7 @@ class OdeLM(TemplateLM):
         prompts = [self.tok_encode(c)[-max_ctx:] or [self.prefix_token_id] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         texts = [""] * len(prompts)
+        progress = Progress("lm-eval generation", len(order), unit="requests")
         for start in range(0, len(order), self.batch_size):
             chunk = order[start:start + self.batch_size]
             batch = [prompts[i] for i in chunk]
@@ -223,4 +228,6 @@ class OdeLM(TemplateLM):
                 if self.eot_token_id in row:
                     row = row[:row.index(self.eot_token_id)]
                 texts[i] = postprocess_generated_text(self.tok_decode(row), until, None)
+            progress.update(start + len(chunk))
+        progress.done()
         return texts

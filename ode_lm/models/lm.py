@@ -95,7 +95,7 @@ class DiffEqFormer(LanguageModel):
             x, st = solvers.solve_adaptive(
                 field, x0, solver=solver, rtol=cfg.rtol if rtol is None else rtol,
                 atol=cfg.atol if atol is None else atol)
-            return (x, {"nfe": st.nfe}) if return_stats else x
+            return (x, {"nfe": st.nfe, "capped": st.capped}) if return_stats else x
         num_steps = cfg.num_steps if num_steps is None else num_steps
         dynamic = not isinstance(num_steps, int)
         if dynamic and max_steps is None:

@@ -212,12 +212,17 @@ def evaluation_times(num_steps: int | jax.Array, solver: str, t0: float = 0.0,
     return t0 + (k + c) * dt
 
 
+ADAPTIVE_MAX_STEPS = 256  # attempted steps before an adaptive solve gives up short of t1
+
+
 class AdaptiveStats(NamedTuple):
-    """What an adaptive solve cost: vector-field evaluations, accepted / rejected steps."""
+    """What an adaptive solve cost: vector-field evaluations, accepted / rejected steps, and
+    ``capped``: it stopped at ``max_steps`` short of t1 (the state is of an unfinished solve)."""
 
     nfe: jax.Array
     accepted: jax.Array
     rejected: jax.Array
+    capped: jax.Array
 
 
 def _rms(tree: Any) -> jax.Array:
@@ -236,7 +241,7 @@ def solve_adaptive(
     t0: float = 0.0,
     t1: float = 1.0,
     first_step: float | None = None,
-    max_steps: int = 256,
+    max_steps: int = ADAPTIVE_MAX_STEPS,
     safety: float = 0.9,
     min_factor: float = 0.2,
     max_factor: float = 10.0,
@@ -251,7 +256,8 @@ def solve_adaptive(
     with q the embedded order. The first step follows Hairer's rule (two extra evaluations)
     unless ``first_step`` is given. ``lax.while_loop``: forward only (evaluation, analysis,
     generation), not differentiable. Stops after ``max_steps`` attempted steps, returning the
-    state at the time reached (the stats show it; ``nfe`` counts every evaluation).
+    state at the time reached (``capped`` in the stats says so; ``nfe`` counts every
+    evaluation); the eval loop warns in one line when any batch was capped.
     """
     check_solver(solver, adaptive_ok=True)
     tab = tableau(solver)
@@ -313,4 +319,4 @@ def solve_adaptive(
     zero = jnp.zeros((), jnp.int32)
     carry = (jnp.asarray(t0, tdt), h, x0, f0, zero + nfe0, zero, zero)
     t, _, x, _, nfe, acc, rej = jax.lax.while_loop(cond, body, carry)
-    return x, AdaptiveStats(nfe=nfe, accepted=acc, rejected=rej)
+    return x, AdaptiveStats(nfe=nfe, accepted=acc, rejected=rej, capped=t < t1)

@@ -1,5 +1,5 @@
 """Orbax checkpoints: async saves every N steps, retention, resume onto the current mesh,
-params-only restore for tools, and SIGTERM/preemption handling.
+params-only restore for tools (SIGTERM / Ctrl-C / preemption: ``preemption.py``).
 
 Layout: ``MODEL_DIR/checkpoints/<step>/{state,data}``. ``state`` is the train-state dict
 (see state.py); ``data`` is the grain iterator state. Orbax writes each step into a
@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import signal
-import threading
+import os
+import re
 from typing import Any
 
 import grain
@@ -33,6 +33,7 @@ from etils import epath
 from ode_lm.config_types import check_types
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
+from ode_lm.training.preemption import PreemptionWatcher, StopNow  # noqa: F401 - re-exported
 from ode_lm.training.save_worker import (
     FrozenIteratorState,
     SaveWorker,
@@ -359,16 +360,42 @@ def _check_data_item(step_dir: epath.Path) -> None:
 
 
 def _damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:
-    """Warn about a damaged step, or raise when no earlier one is left to fall back to."""
+    """Warn, in one line, about a damaged step (the step used instead, the damaged one, the
+    cause in a few words), or raise when no earlier one is left to fall back to."""
     step_dir = directory / str(step)
     if not rest:
         raise CheckpointDamagedError(
-            f"checkpoint {step_dir} is damaged ({_reason(e)}) and no earlier complete "
+            f"checkpoint {step_dir} is damaged ({damage_cause(e)}) and no earlier complete "
             "checkpoint is left; nothing was deleted (restore it from a copy, or move "
             "the checkpoints away to start afresh)"
         ) from e
-    log.warning("checkpoint step %d (%s) is damaged (%s); falling back to step %d",
-                step, step_dir, _reason(e), rest[0])
+    log.warning("checkpoint step %d is damaged (%s): falling back to step %d", step,
+                damage_cause(e), rest[0])
+
+
+_CAUSES = (  # (words in the error chain, the cause in a few words); first match wins
+    (("OUT_OF_RANGE", "byte range", "Unexpected end", "truncated", "EOF"),
+     "a file is truncated"),
+    (("Expecting value", "JSONDecodeError", "empty"), "a file is empty or not JSON"),
+    (("NOT_FOUND", "No such file", "does not exist"), "a file is missing"),
+    (("DATA_LOSS", "corrupt", "checksum", "Error decoding", "Failed to decode"),
+     "a file is corrupt"),
+)
+
+
+def damage_cause(e: BaseException) -> str:
+    """Why a checkpoint did not read back, in a few words (TensorStore's own message runs
+    to ~460 characters); the file named when the error chain names one."""
+    chain, x = [], e
+    while x is not None and len(chain) < 8:
+        chain.append(f"{type(x).__name__}: {x}")
+        x = x.__cause__ or x.__context__
+    text = " ".join(chain)
+    first = " ".join(str(chain[-1]).split())
+    cause = next((c for words, c in _CAUSES if any(w in text for w in words)),
+                 first if len(first) <= 80 else first[:77] + "...")
+    name = re.search(r'(?:reading|file) "([^"]+)"', text)
+    return f"{cause}: {name.group(1)}" if name and "/" not in name.group(1) else cause
 
 
 def _restore_args(abstract: Any) -> Any:
@@ -396,7 +423,9 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
     ``step``, a damaged latest step falls back to the previous complete one (warning);
     a damaged requested ``step`` raises CheckpointDamagedError.
     """
-    directory = epath.Path(model_dir) / CHECKPOINT_SUBDIR
+    install_save_noise_filters()  # a damaged step's failed reads report like a failed save
+    local = "://" not in model_dir  # orbax wants absolute paths: a relative one read as damaged
+    directory = epath.Path(os.path.abspath(model_dir) if local else model_dir) / CHECKPOINT_SUBDIR
     steps = _complete_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {directory}")
@@ -440,37 +469,6 @@ def _restore_params_at(path: epath.Path, abstract_params: Any) -> Any:
     finally:
         handler.close()
     return restored["params"]
-
-
-# -------------------------------------------------------------------- preemption
-
-
-class PreemptionWatcher:
-    """Turns SIGTERM (and JAX's preemption sync point on pods) into a 'stop after this step'."""
-
-    def __init__(self):
-        self._event = threading.Event()
-        self._previous = None
-
-    def install(self) -> PreemptionWatcher:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self._event.set()
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    def should_stop(self, step: int) -> bool:
-        if self._event.is_set():
-            return True
-        # orbax's check of JAX's preemption sync point (the one the checkpoint manager's
-        # save decision uses; False when the preemption service is not running)
-        return jax.process_count() > 1 and ocp.multihost.reached_preemption(step)
 
 
 def tree_equal(a: Any, b: Any) -> bool:

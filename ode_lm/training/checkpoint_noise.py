@@ -1,4 +1,5 @@
-"""Quiet orbax's own reports of a failed checkpoint save.
+"""Quiet orbax's own reports of a failed checkpoint save (and of a damaged step's failed
+reads, whose other reads complete the same way after their loop is closed).
 
 A failed background save (a full disk) is logged with its traceback by orbax (absl, from
 several threads), by asyncio (its unretrieved write futures) and, through
@@ -38,13 +39,15 @@ class _OrbaxSaveNoise(logging.Filter):
 
 
 def _closed_loop_noise(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """sys.unraisablehook without the 'Event loop is closed' reports: tensorstore completing
-    the other writes of a save whose first write failed, after orbax closed that event loop."""
+    """sys.unraisablehook without the 'Event loop is closed' reports (tensorstore completing
+    the other writes of a save whose first write failed, after orbax closed that event loop)
+    nor the errors of orbax coroutines never awaited (the other reads of a damaged step)."""
 
     def unraisable(info: Any) -> None:
         closed = (isinstance(info.exc_value, RuntimeError)
                   and str(info.exc_value) == "Event loop is closed")
-        if not closed or os.environ.get("ODE_LM_DEBUG"):
+        ignored = closed or _from_orbax(getattr(info, "exc_traceback", None))
+        if not ignored or os.environ.get("ODE_LM_DEBUG"):
             hook(info)
 
     unraisable.ode_lm_closed_loop = True

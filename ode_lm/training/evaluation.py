@@ -98,8 +98,10 @@ class Evaluator:
 
     def __init__(self, spec: StateSpec, batches: Callable[[], Iterable[dict]], *,
                  model_num_steps: int | None, model_solver: str | None = None,
-                 model_rtol: float | None = None, what: str = "the eval pipeline"):
+                 model_rtol: float | None = None, what: str = "the eval pipeline",
+                 num_batches: int | None = None):
         self.spec, self.batches, self.what = spec, batches, what
+        self.num_batches = num_batches  # for the progress line's ETA (None: no ETA)
         self.model_num_steps, self.model_solver = model_num_steps, model_solver
         self.model_rtol = model_rtol
         self._steps: dict[tuple, Callable] = {}
@@ -111,8 +113,12 @@ class Evaluator:
         if key not in self._steps:
             self._steps[key] = step_lib.make_eval_step(self.spec, num_steps, solver,
                                                        rtol=rtol, atol=atol)
+        label = "eval" + metric_suffix(num_steps, self.model_num_steps, solver,
+                                       rtol if rtol is not None else self.model_rtol,
+                                       model_solver=self.model_solver)
         with jax.set_mesh(self.spec.mesh):
-            return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what)
+            return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what,
+                                     total=self.num_batches, label=label)
 
     def resolve(self, solve: Solve) -> Solve:
         """``solve`` with the run's solver, N or rtol where it leaves them ``None``."""

@@ -218,6 +218,56 @@ def create_writer(model_dir: str, process_index: int | None = None) -> MetricWri
     return MultiWriter([tb, JsonlWriter(os.path.join(model_dir, "metrics.jsonl"))])
 
 
+def trim_after(jsonl_path: str, event_paths: list[str], step: int) -> int:
+    """Drop what was logged for steps after ``step`` (the checkpoint a run resumes from):
+    ``metrics.jsonl`` rows and TensorBoard events, each file rewritten atomically, so the
+    resumed run's rows are the only ones for those steps. Returns the rows dropped."""
+    dropped = 0
+    if os.path.exists(jsonl_path):
+        with open(jsonl_path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _jsonl_step(line) <= step]
+        dropped = len(lines) - len(kept)
+        if dropped:
+            _replace(jsonl_path, lambda f: f.writelines(kept), "w")
+    for path in event_paths:
+        _trim_events(path, step)
+    return dropped
+
+
+def _jsonl_step(line: str) -> float:
+    try:
+        return json.loads(line).get("step", -1)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf  # a torn last line of a killed run: not part of the timeline
+
+
+def _trim_events(path: str, step: int) -> None:
+    """An event file without the events of steps after ``step`` (records copied verbatim)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    records = list(RawEventFileLoader(path).Load())
+    kept = [r for r in records if Event.FromString(r).step <= step]
+    if len(kept) == len(records):
+        return
+
+    def write(f):
+        writer = RecordWriter(f)
+        for r in kept:
+            writer.write(r)
+
+    _replace(path, write, "wb")
+
+
+def _replace(path: str, write: Callable[[Any], None], mode: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, mode) as f:
+        write(f)
+    os.replace(tmp, path)
+
+
 # --------------------------------------------------------------------------- progress
 
 
@@ -228,6 +278,52 @@ def format_duration(seconds: float) -> str:
     h, rem = divmod(seconds, 3600)
     m, s = divmod(rem, 60)
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def eta(done: int, total: int | None, elapsed: float) -> float:
+    """Seconds left at the mean rate so far (NaN before the first item, or without a total)."""
+    if total is None or done <= 0:
+        return math.nan
+    return max(total - done, 0) * elapsed / done
+
+
+class Progress:
+    """The progress line of a long pass that is not training (eval batches, the depth
+    report's evaluations, lm-eval requests): ``'eval: 12/40 batches | 3.1/s | ETA 9s'``,
+    logged (stderr, ``ode_lm.progress``) at most every ``every_s`` seconds, so a pass shorter
+    than that shows nothing; the ETA is ``eta`` and ``format_duration``, like training's."""
+
+    def __init__(self, label: str, total: int | None, *, unit: str = "batches",
+                 every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter,
+                 log_fn: Callable[[str], None] | None = None):
+        import logging
+
+        self.label, self.total, self.unit, self.every_s, self.clock = (
+            label, total, unit, every_s, clock)
+        self.log = log_fn or logging.getLogger("ode_lm.progress").info
+        self.start = self._last = clock()
+        self.done_items, self.shown = 0, False
+
+    def line(self, done: int) -> str:
+        elapsed = self.clock() - self.start
+        of = f"/{self.total}" if self.total is not None else ""
+        rate = f"{done / elapsed:.1f}/s" if elapsed > 0 else "n/a"
+        text = f"{self.label}: {done}{of} {self.unit} | {rate}"
+        if self.total is not None:
+            text += f" | ETA {format_duration(eta(done, self.total, elapsed))}"
+        return text
+
+    def update(self, done: int) -> None:
+        self.done_items = done
+        now = self.clock()
+        if now - self._last >= self.every_s:
+            self._last, self.shown = now, True
+            self.log(self.line(done))
+
+    def done(self) -> None:
+        """The closing line, only after a pass that showed one (short passes stay quiet)."""
+        if self.shown:
+            self.log(self.line(self.done_items))
 
 
 def progress_line(step: int, total: int, loss: float, tokens_per_s: float, mfu_value: float,
@@ -295,11 +391,10 @@ class MetricWindow:
             self._run_steps += self._timed_steps
             self._run_seconds += self._timed_seconds
         writer.write_scalars(step, scalars)
-        remaining = self.total_steps - step
-        eta = (0.0 if remaining <= 0 else
-               remaining * self._run_seconds / self._run_steps if self._run_steps else math.nan)
+        left = eta(self._run_steps, self._run_steps + self.total_steps - step, self._run_seconds)
         self._metrics, self._timed_steps, self._timed_seconds = None, 0, 0.0
-        return progress_line(step, self.total_steps, values["loss"], tok_s, mfu_value, eta)
+        return progress_line(step, self.total_steps, values["loss"], tok_s,
+                             mfu_value, 0.0 if step >= self.total_steps else left)
 
 
 class StepReader:

@@ -3,9 +3,11 @@ one way to load a saved run's model.
 
 Layout (one run, pretraining or fine-tuning)::
 
-    config.gin             the operative gin config, for people (nothing reads it back,
-                           except the fallback for old runs below)
-    model_config.json      ModelConfig: the model is rebuilt from this, no gin
+    config.gin             the operative gin config of the run's first start, for people
+                           (nothing reads it back, except the fallback for old runs below)
+    config.<step>.gin      the operative config of a resume at <step> that changed settings
+    model_config.json      ModelConfig of the latest checkpoint: the model is rebuilt from
+                           this, no gin
     data_config.json       DataConfig (data dir resolved): eval, sample, export, analysis
                            and fine-tuning learn the run's data from this
     finetune.json          fine-tunes: what they were made from (method, mode, LoRA spec)
@@ -14,6 +16,12 @@ Layout (one run, pretraining or fine-tuning)::
     sharding.txt           partitioning.write_sharding_table (``SHARDING_FILE``)
     run.lock               training/run_lock.py, while a run holds MODEL_DIR (``LOCK_FILE``)
     metrics.jsonl, events.out.tfevents.*   training/metrics.py
+
+The record changes only with training that happened: the trainer writes ``model_config.json``,
+``data_config.json``, ``sharding.txt`` and the start's config when this start's first
+checkpoint is handed to orbax, and on a resume drops the metrics rows and events of steps after
+the checkpoint it resumed from (``metrics.trim_after``), so metrics.jsonl and TensorBoard hold
+one timeline. A start with nothing to train writes nothing.
 
 Runs from before ``data_config.json`` existed still load: their data settings are read, once
 and with a warning, from the literal ``DataConfig.*`` bindings of their ``config.gin``
@@ -73,6 +81,35 @@ class RunDir:
     def metrics(self) -> str:
         return self.file(METRICS)
 
+    def event_files(self) -> list[str]:
+        """TensorBoard event files (``events.out.tfevents.*``), oldest name first."""
+        if not os.path.isdir(self.path):
+            return []
+        return sorted(self.file(n) for n in os.listdir(self.path)
+                      if n.startswith("events.out.tfevents."))
+
+    def start_config(self, step: int) -> str:
+        """Where a start at ``step`` keeps its operative config: ``config.gin`` for the
+        first start (step 0), ``config.<step>.gin`` for a resume that changed settings."""
+        return self.file(CONFIG_GIN if step == 0 else f"config.{step}.gin")
+
+    def config_at(self, step: int) -> tuple[int, str] | None:
+        """(start step, text) of the config the run was trained with at ``step`` (the newest
+        start config at or before it); None when the run keeps none."""
+        starts = {0: CONFIG_GIN} if os.path.exists(self.file(CONFIG_GIN)) else {}
+        if os.path.isdir(self.path):
+            for name in os.listdir(self.path):
+                parts = name.split(".")
+                if len(parts) == 3 and parts[0] == "config" and parts[2] == "gin" \
+                        and parts[1].isdigit():
+                    starts[int(parts[1])] = name
+        before = [s for s in starts if s <= step]
+        if not before:
+            return None
+        at = max(before)
+        with open(self.file(starts[at])) as f:
+            return at, f.read()
+
     def checkpoint_steps(self) -> list[int]:
         """Complete checkpoint steps, oldest first ([] when there are none)."""
         import orbax.checkpoint as ocp
@@ -83,13 +120,15 @@ class RunDir:
 
     # ------------------------------------------------------------------ writing
     def write_run_files(self, model_config: ModelConfig, data_config: Any,
-                        operative_config: str | None) -> None:
-        """What the trainer records before its first step (process 0)."""
+                        start_config: tuple[int, str] | None = None) -> None:
+        """What the trainer records with a start's first checkpoint (process 0): the model
+        and data the checkpoint was trained with, and ``(step, text)`` of the start's
+        operative config when it is to be kept (a first start, or changed settings)."""
         self.write_model_config(model_config)
         if dataclasses.is_dataclass(data_config):
             self.write_data_config(data_config)
-        if operative_config is not None:
-            _write_text(self.file(CONFIG_GIN), operative_config)
+        if start_config is not None:
+            _write_text(self.start_config(start_config[0]), start_config[1])
 
     def write_model_config(self, config: ModelConfig) -> None:
         _write_json(self.file(MODEL_CONFIG), dataclasses.asdict(config))
@@ -214,6 +253,38 @@ def _gin_literal_bindings(text: str, selector: str) -> dict[str, Any]:
             value = macros.get(value.name)
         if not isinstance(value, _Reference):
             out[name] = value
+    return out
+
+
+def config_changes(old: str, new: str, limit: int = 6, *, model_dir: str | None = None
+                   ) -> list[str]:
+    """``NAME old → new`` for each binding or macro that differs between two operative gin
+    configs (gin's parser, nothing bound); at most ``limit`` entries, then ``+k more``.
+    A binding whose new value is ``model_dir`` is where the run lives (a moved or copied
+    run), not how it trains: not a change."""
+    a, b = _gin_values(old), _gin_values(new)
+    here = repr(model_dir) if model_dir is not None else None
+    changes = [f"{k} {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
+               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and b.get(k) != here]
+    if len(changes) > limit:
+        changes = [*changes[:limit], f"+{len(changes) - limit} more"]
+    return changes
+
+
+def _gin_values(text: str) -> dict[str, str]:
+    from gin import config_parser
+
+    out = {}
+    for stmt in config_parser.ConfigParser(text, _Literals()):
+        if not isinstance(stmt, config_parser.BindingStatement):
+            continue
+        key = stmt.selector if stmt.arg_name == "" else f"{stmt.selector}.{stmt.arg_name}"
+        key = f"{stmt.scope}/{key}" if stmt.scope else key
+        value = stmt.value
+        if isinstance(value, _Reference):
+            out[key] = ("%" if value.macro else "@") + value.name
+        else:
+            out[key] = repr(value)
     return out
 
 

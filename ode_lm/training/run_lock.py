@@ -45,12 +45,13 @@ class RunDirLock:
     created: str | None  # topmost directory this run made (None: MODEL_DIR existed)
     was_empty: bool  # MODEL_DIR existed with nothing in it
 
-    def release(self, failed: bool = False) -> None:
+    def release(self, failed: bool = False, quiet: bool = False) -> None:
         """Drop the lock; after a failure before the first checkpoint, also remove what this
-        run created (only where MODEL_DIR was new or empty)."""
+        run created (only where MODEL_DIR was new or empty; ``quiet``: without a warning,
+        when the stop's own line says it, as a second Ctrl-C's does)."""
         try:
             if failed and (self.created or self.was_empty) and not _has_checkpoint(self.model_dir):
-                _remove_created(self)
+                _remove_created(self, quiet)
                 return
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(self.path).st_ino == os.fstat(self.fd).st_ino:
@@ -75,13 +76,13 @@ def _has_checkpoint(model_dir: str) -> bool:
     return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
 
 
-def _remove_created(lock: RunDirLock) -> None:
+def _remove_created(lock: RunDirLock, quiet: bool = False) -> None:
     if lock.created:
         # a start that wrote nothing but its lock (a bad config found by the data step) has
         # nothing to report beyond its own error line
         wrote = set(os.listdir(lock.model_dir)) - {os.path.basename(lock.path)}
         shutil.rmtree(lock.created, ignore_errors=True)
-        if wrote:
+        if wrote and not quiet:
             log.warning("removed %s: the run failed before its first checkpoint", lock.created)
         return
     for name in os.listdir(lock.model_dir):  # was empty before this run: all of it is ours
@@ -167,7 +168,7 @@ def hold(model_dir: str, primary: bool = True) -> Iterator[RunDirLock | None]:
     lock = acquire(model_dir)
     try:
         yield lock
-    except BaseException:
-        lock.release(failed=True)
+    except BaseException as e:
+        lock.release(failed=True, quiet=isinstance(e, KeyboardInterrupt))
         raise
     lock.release()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,8 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ode_lm.config_types import check_types
+from ode_lm.models import solvers as solvers_lib
 from ode_lm.partitioning import batch_sharding, logical_to_mesh
 from ode_lm.training.state import StateSpec
+
+log = logging.getLogger("ode_lm.eval")
 
 Batch = Mapping[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -243,21 +247,23 @@ def abstract_batch(spec: StateSpec, batch_size: int, seq_len: int, batch_keys=BA
 
 def make_eval_step(spec: StateSpec, num_steps: int | None = None, solver: str | None = None,
                    *, rtol: float | None = None, atol: float | None = None):
-    """params, batch -> (loss sum, token count, NFE): exact token-weighted sums, no
+    """params, batch -> (loss sum, token count, NFE, capped): exact token-weighted sums, no
     averaging; NFE = vector-field evaluations of the batch's solve (adaptive: as chosen by
-    the step-size controller at ``rtol``/``atol``; fixed grid: N·stages)."""
+    the step-size controller at ``rtol``/``atol``; fixed grid: N·stages); capped = 1 when an
+    adaptive solve stopped at its step cap short of t1 (fixed grid: 0)."""
     options = {k: v for k, v in (("rtol", rtol), ("atol", atol)) if v is not None}
 
     def eval_step(params, batch):
         total, count, stats = _token_loss(spec, params, batch, num_steps=num_steps,
                                           solver=solver, dropout_key=None, **options)
-        return total, count, jnp.asarray(stats["nfe"], jnp.float32)
+        capped = jnp.asarray(stats.get("capped", False), jnp.float32)
+        return total, count, jnp.asarray(stats["nfe"], jnp.float32), capped
 
     replicated = NamedSharding(spec.mesh, P())
     return jax.jit(
         eval_step,
         in_shardings=(spec.shardings["params"], batch_sharding(spec.mesh, spec.rules)),
-        out_shardings=(replicated, replicated, replicated),
+        out_shardings=(replicated,) * 4,
     )
 
 
@@ -266,6 +272,7 @@ class EvalResult:
     loss: float  # token-weighted mean cross-entropy (nats)
     tokens: float
     nfe: float  # mean vector-field evaluations per batch
+    capped: float = 0.0  # fraction of batches whose adaptive solve hit its step cap
 
     @property
     def perplexity(self) -> float:
@@ -275,12 +282,27 @@ class EvalResult:
 
 
 def run_eval(eval_step: Callable, params: Any, batches: Any,
-             what: str = "the eval pipeline") -> EvalResult:
-    """The one token-weighted eval loop (trainer, ``ode_lm.eval``, the depth report)."""
-    total, tokens, nfe, count = 0.0, 0.0, 0.0, 0
+             what: str = "the eval pipeline", *, total: int | None = None,
+             label: str = "eval") -> EvalResult:
+    """The one token-weighted eval loop (trainer, ``ode_lm.eval``, the depth report).
+
+    With ``total`` (batches expected) long passes show ``metrics.Progress``'s line with an
+    ETA; any batch whose adaptive solve hit the step cap is reported in one warning line."""
+    from ode_lm.training.metrics import Progress
+
+    progress = Progress(label, total, unit="batches")
+    loss, tokens, nfe, capped, count = 0.0, 0.0, 0.0, 0.0, 0
     for batch in batches:
-        s, n, e = eval_step(params, batch)
-        total, tokens, nfe, count = total + float(s), tokens + float(n), nfe + float(e), count + 1
+        s, n, e, c = eval_step(params, batch)
+        loss, tokens, nfe = loss + float(s), tokens + float(n), nfe + float(e)
+        capped, count = capped + float(c), count + 1
+        progress.update(count)
+    progress.done()
     if tokens == 0:
         raise ValueError(f"{what} produced no counted tokens")
-    return EvalResult(loss=total / tokens, tokens=tokens, nfe=nfe / count)
+    if capped:
+        log.warning("%s: the adaptive solver hit its step cap (%d) on %d of %d batches "
+                    "(%.0f%%): their loss is of an unfinished solve; loosen rtol/atol",
+                    label, solvers_lib.ADAPTIVE_MAX_STEPS, capped, count, 100 * capped / count)
+    return EvalResult(loss=loss / tokens, tokens=tokens, nfe=nfe / count,
+                      capped=capped / count)

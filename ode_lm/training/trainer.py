@@ -2,7 +2,9 @@
 
 It reads top to bottom in that order and never branches on a mode: ``__init__`` builds the
 mesh and the abstract state; ``run`` restores (or initialises) the state, then prepares the
-data and positions it at the state's step, then steps, saving and evaluating. Fine-tuning
+data and positions it at the state's step, then steps, saving and evaluating. The run
+directory's record changes only with training: a start with nothing to train writes nothing,
+and the run files come with a start's first checkpoint (``run_dir.py``). Fine-tuning
 reuses it by passing ``init_params_fn`` (e.g. load a pretrained run) and ``trainable`` (e.g.
 LoRA parameters only); depth sweeps, evaluation and export reuse the same pieces.
 """
@@ -30,7 +32,8 @@ from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.evaluation import Evaluator, Solve, parse_solve, sweep_solves
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
-from ode_lm.training.run_dir import RunDir
+from ode_lm.training.preemption import PreemptionWatcher, StopNow
+from ode_lm.training.run_dir import RunDir, config_changes
 
 log = logging.getLogger("ode_lm.train")
 
@@ -86,7 +89,9 @@ class TrainResult:
     first_loss: float | None
     last_loss: float | None
     eval: dict[str, float]
-    preempted: bool = False
+    preempted: bool = False  # stopped early (SIGTERM, Ctrl-C, a pod's preemption), saved
+    stopped_by: str | None = None  # "SIGTERM", "Ctrl-C" or "preemption"
+    nothing_to_train: bool = False  # MODEL_DIR was at num_train_steps already: untouched
     # the final eval's settings of an ODE model (name suffix -> Solve): the summary's table
     eval_settings: dict[str, Solve] = dataclasses.field(default_factory=dict)
 
@@ -236,11 +241,24 @@ class Trainer:
         own_train, own_eval = self.own_data
         if own_train:
             manifest = prepare_data_once(self.data_config)
-            check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
+            self.evaluator.num_batches = check_vocab(self.model_config, self.data_config,
+                                                     manifest, evaluate=own_eval)
         data_iterator, batches = self.train_data(self.data_config, self.mesh, self.rules, start)
         if resumed and not self.checkpointer.restore_data(start, data_iterator):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
         return data_iterator, batches
+
+    def check_prepared_data(self) -> None:
+        """The data step's checks against an already prepared DATA_DIR, reading only (a
+        missing one is not prepared: there is nothing to train)."""
+        own_train, own_eval = self.own_data
+        data_dir = getattr(self.data_config, "data_dir", None)
+        if not own_train or not data_dir or getattr(self.data_config, "streaming", False):
+            return
+        if not os.path.exists(os.path.join(data_dir, "manifest.json")):
+            return
+        manifest = prepare_data_once(self.data_config)
+        check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
         """The model's own N, the depth sweep and ``TrainConfig.eval_solves``, named as
@@ -264,9 +282,16 @@ class Trainer:
         # 3. state (an incompatible checkpoint is refused before anything is written; a
         # damaged one falls back to the previous); 4. data, positioned at the state's step
         start, state, resumed = self.restore_or_init()
+        self.state = state
+        if start >= cfg.num_train_steps:  # the record changes only with training
+            self.check_prepared_data()  # a bad data setting is still an error, read-only
+            self.print(f"nothing to train: MODEL_DIR is at step {start} ≥ "
+                       f"TRAIN_STEPS={cfg.num_train_steps}")
+            return TrainResult(cfg.model_dir, start, None, None, {}, nothing_to_train=True)
         data_iterator, batches = self.data(start, resumed)
-        self._write_run_files()
-        partitioning.write_sharding_table(cfg.model_dir, self.mesh, self.sharding_table)
+        self._record = self._start_record(start, resumed)
+        self._recorded = False
+        self._trim_metrics(start)
         writer = metrics_lib.create_writer(cfg.model_dir)
         if self.operative_config is not None:
             writer.write_texts(start, {"config": gin.markdown(self.operative_config())})
@@ -289,10 +314,10 @@ class Trainer:
                                           peak_flops=peak, total_steps=cfg.num_train_steps)
         reader = metrics_lib.StepReader(window, writer, self.print, log_every=cfg.log_every,
                             total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps)
-        watcher = ckpt_lib.PreemptionWatcher().install()
+        watcher = PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {},
                              eval_settings=self.eval_settings)
-        step = start
+        step, self._saved = start, (start if resumed else None)
         try:
             with jax.set_mesh(self.mesh):
                 while step < cfg.num_train_steps:
@@ -303,25 +328,30 @@ class Trainer:
                         # the save waits for this step's state anyway: log it first, so a
                         # crash after the checkpoint leaves no gap in metrics.jsonl
                         reader.drain(dispatched=step)
-                    self.checkpointer.save(step, state, data_iterator)
+                    self._save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
                         reader.drain(dispatched=step)
                         self._log_eval(writer, step, self.evaluate(state["params"], step))
                         window.restart()
                     if watcher.should_stop(step):
-                        result.preempted = True
+                        result.preempted, result.stopped_by = True, watcher.reason
                         break
                 reader.drain(dispatched=step)
-            self.checkpointer.save(step, state, data_iterator, force=True)
+            self._save(step, state, data_iterator, force=True)
             self.checkpointer.wait()
             result.step = step
             result.first_loss, result.last_loss = reader.first_loss, reader.last_loss
             if result.preempted:
-                self.print(f"preempted: saved step {step} to {self.checkpointer.directory}; "
-                           "rerun the same command to continue")
+                self.print(f"stopped by {result.stopped_by} after step {step}; "
+                           "checkpoint saved")
             else:
                 result.eval = self.evaluate(state["params"], step)
                 self._log_eval(writer, step, result.eval)
+        except StopNow:
+            kept = (f"the latest checkpoint is step {self._saved}" if self._saved is not None
+                    else "nothing was saved")
+            raise StopNow(f"stopped by a second Ctrl-C at step {step}: not saved; {kept}"
+                          ) from None
         finally:
             watcher.uninstall()
             writer.flush()
@@ -336,12 +366,51 @@ class Trainer:
                            if not k.startswith(("eval/tokens", "eval/nfe")))
         self.print(f"eval @ step {step} | {shown}")
 
+    def _start_record(self, start: int, resumed: bool) -> tuple[int, str] | None:
+        """(start, operative config) when this start's config is to be kept: a first start,
+        or a resume whose settings differ from those the checkpoint was trained with (said
+        in one line); None otherwise. Written with this start's first checkpoint."""
+        if self.operative_config is None or jax.process_index() != 0:
+            return None
+        text = self.operative_config()
+        if not resumed:
+            return 0, text
+        previous = RunDir(self.cfg.model_dir).config_at(start)
+        if previous is None:
+            return start, text
+        changes = config_changes(previous[1], text, model_dir=self.cfg.model_dir)
+        if not changes:
+            return None
+        name = os.path.basename(RunDir(self.cfg.model_dir).start_config(start))
+        self.print(f"settings changed at step {start} ({name}): {', '.join(changes)}")
+        return start, text
+
+    def _trim_metrics(self, start: int) -> None:
+        """Drop metrics logged after the checkpoint this start resumes from: one timeline."""
+        if jax.process_index() != 0:
+            return
+        run = RunDir(self.cfg.model_dir)
+        dropped = metrics_lib.trim_after(run.metrics, run.event_files(), start)
+        if dropped:
+            self.print(f"dropped {dropped} metrics rows logged after step {start}, the "
+                       "checkpoint this run resumes from")
+
+    def _save(self, step: int, state: Any, data_iterator: Any, force: bool = False) -> None:
+        """A checkpoint (on the interval, or ``force``); this start's first one also writes
+        the run files: the record says what the checkpoints were trained with."""
+        if not self.checkpointer.save(step, state, data_iterator, force=force):
+            return
+        self._saved = step
+        if not self._recorded:
+            self._recorded = True
+            self._write_run_files()
+
     def _write_run_files(self) -> None:
         if jax.process_index() != 0:
             return
-        operative = self.operative_config() if self.operative_config is not None else None
         RunDir(self.cfg.model_dir).write_run_files(self.model_config, self.data_config,
-                                                   operative)
+                                                   self._record)
+        partitioning.write_sharding_table(self.cfg.model_dir, self.mesh, self.sharding_table)
 
 
 def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
@@ -392,10 +461,11 @@ def default_eval_data(data_config: Any, mesh, rules):
 
 
 def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
-                evaluate: bool = True) -> None:
+                evaluate: bool = True) -> int | None:
     """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
-    the default eval data) the validation split holds at least one eval batch, from the
-    manifest alone (``prepare_data_once`` has checked the data dir itself)."""
+    the default eval data) the validation split holds at least one eval batch (returned:
+    their number), from the manifest alone (``prepare_data_once`` has checked the data dir
+    itself)."""
     from ode_lm import data as data_lib
 
     if manifest["vocab_size"] > model_config.vocab_size:
@@ -403,6 +473,7 @@ def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
             f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
             f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
         )
-    if evaluate:
-        data_lib.check_eval_split(data_config, manifest)
+    if evaluate:  # the eval batches, for the eval's progress line
+        return data_lib.check_eval_split(data_config, manifest)
+    return None
 

@@ -1,0 +1,361 @@
+"""A run's record stays true: Ctrl-C saves (a second stops at once), a rerun with nothing to
+train changes nothing, a resume with new settings keeps each start's config and says so,
+metrics past the last checkpoint are dropped on resume, a damaged latest checkpoint is one
+line, an adaptive solve that hits its step cap is one line, an export needs its tokenizer.
+
+The CLI cases are real subprocesses of the micro model (``data_helpers.micro_cli_gin``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+from data_helpers import micro_cli_gin, tree_hash
+
+REPO = Path(__file__).resolve().parents[1]
+slow = pytest.mark.slow
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+def _env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_COMPILATION_CACHE_DIR=str(work.parent / "xla_cache"),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.pop("ODE_LM_DEBUG", None)
+    return env
+
+
+def _cmd(work: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, env=_env(work),
+                          capture_output=True, text=True, timeout=600)
+
+
+def _start(work: Path, argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *argv], cwd=REPO, env=_env(work),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _gin(work: Path, name: str, model: Path, steps: int, extra: str = "") -> Path:
+    path = work / f"{name}.gin"
+    path.write_text(micro_cli_gin(work / "prep", model, train_steps=steps,
+                                  ici="(-1, 1, 1)") + extra)
+    return path
+
+
+def _rows(model: Path) -> list[dict]:
+    return [json.loads(x) for x in (model / "metrics.jsonl").read_text().splitlines()]
+
+
+def _ckpt_steps(model: Path) -> list[int]:
+    d = model / "checkpoints"
+    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("run_record") / "w"
+
+
+@pytest.fixture(scope="module")
+def finished(work) -> Path:
+    """A finished 3-step micro run (checkpoints 1, 2, 3), its data prepared in work/prep."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "finished"
+    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={_gin(work, 'finished', model, 3)}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _ckpt_steps(model) == [1, 2, 3]
+    return model
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ------------------------------------------------------------- 2. rerun identity
+
+
+@slow
+def test_nothing_to_train_says_so_and_changes_nothing(work, finished):
+    before, data_before = tree_hash(finished), tree_hash(work / "prep")
+    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={work / 'finished.gin'}",
+                    "--gin.ODE_STEPS=8"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _lines(r.stdout) == [
+        "nothing to train: MODEL_DIR is at step 3 \u2265 TRAIN_STEPS=3"], r.stdout
+    assert _lines(r.stderr) == [], r.stderr
+    assert tree_hash(finished) == before  # no events file, config, metrics or lock debris
+    assert tree_hash(work / "prep") == data_before
+
+
+@slow
+def test_resume_with_new_settings_keeps_each_config(work, finished):
+    model = _copy(finished, work / "changed")
+    config_gin = (model / "config.gin").read_bytes()
+    gin = _gin(work, "changed", model, 3)
+    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={gin}", "--gin.ODE_STEPS=4",
+                    "--gin.TRAIN_STEPS=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = [x for x in r.stdout.splitlines() if x.startswith("settings changed")]
+    assert said == ["settings changed at step 3 (config.3.gin): ODE_STEPS 2 \u2192 4, "
+                    "TRAIN_STEPS 3 \u2192 4"], r.stdout
+    assert (model / "config.gin").read_bytes() == config_gin  # the first start's, kept
+    assert "ODE_STEPS = 4" in (model / "config.3.gin").read_text()
+    assert json.loads((model / "model_config.json").read_text())["num_steps"] == 4
+    assert _ckpt_steps(model)[-1] == 4
+    # a rerun of the same command: nothing to train, nothing changes
+    before = tree_hash(model)
+    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={gin}", "--gin.ODE_STEPS=4",
+                    "--gin.TRAIN_STEPS=4"])
+    assert r.returncode == 0 and tree_hash(model) == before
+
+
+@slow
+def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
+    model = _copy(finished, work / "trimmed")
+    with open(model / "metrics.jsonl", "a") as f:  # a killed run's rows past checkpoint 3
+        f.write(json.dumps({"step": 4, "train/loss": 99.0}) + "\n")
+        f.write(json.dumps({"step": 5, "train/loss": 99.0}) + "\n")
+        f.write('{"step": 6, "train/lo')  # torn by the kill
+    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={_gin(work, 'trimmed', model, 4)}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dropped 3 metrics rows logged after step 3" in r.stdout
+    train = [(x["step"], x["train/loss"]) for x in _rows(model) if "train/loss" in x]
+    assert [s for s, _ in train] == [1, 2, 3, 4] and 99.0 not in [v for _, v in train]
+
+
+# ------------------------------------------------------------------ 1. Ctrl-C
+
+
+def _interrupt(work: Path, name: str, presses: int) -> tuple[subprocess.Popen, str, str, Path]:
+    model = work / name
+    gin = _gin(work, name, model, 100_000, "CheckpointConfig.save_every = 100_000\n")
+    proc = _start(work, ["-m", "ode_lm.train", f"--gin_file={gin}"])
+    deadline = time.time() + 300
+    while proc.poll() is None:  # a few steps in, none saved on the interval
+        assert time.time() < deadline
+        if (model / "metrics.jsonl").exists() and len(_rows(model)) >= 3:
+            break
+        time.sleep(0.05)
+    for _ in range(presses):
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.01)
+    out, err = proc.communicate(timeout=300)
+    return proc, out, err, model
+
+
+@slow
+def test_ctrl_c_saves_at_the_next_step_and_exits_130(work, finished):
+    proc, out, err, model = _interrupt(work, "ctrl_c", 1)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and _lines(err) == [], err
+    step = _ckpt_steps(model)[-1]
+    assert f"stopped by Ctrl-C after step {step}; checkpoint saved" in _lines(out)[-1]
+    assert max(x["step"] for x in _rows(model)) == step  # one timeline, all in a checkpoint
+    assert json.loads((model / "model_config.json").read_text())["d_model"] == 32
+
+
+@slow
+def test_second_ctrl_c_stops_at_once_in_one_line(work, finished):
+    proc, out, err, model = _interrupt(work, "ctrl_c_twice", 2)
+    assert proc.returncode == 130, err[-3000:]
+    lines = _lines(err)
+    assert len(lines) == 1 and "Ctrl-C" in lines[0] and "Traceback" not in err, err
+    assert not (model / "run.lock").exists()
+
+
+# --------------------------------------------------------- 6. damaged checkpoint
+
+
+def _truncate_latest(model: Path) -> int:
+    step = _ckpt_steps(model)[-1]
+    files = [p for p in (model / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()]
+    victim = max(files, key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:8])  # every array in it, params included
+    return step
+
+
+@slow
+def test_damaged_latest_checkpoint_is_one_line_and_the_summary_names_the_step(work, finished):
+    model = _copy(finished, work / "damaged")
+    damaged = _truncate_latest(model)
+    before = tree_hash(model)
+    r = _cmd(work, ["-m", "ode_lm.eval", f"--model_dir={model}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _lines(r.stderr) == [f"checkpoint step {damaged} is damaged (a file is truncated): "
+                                f"falling back to step {damaged - 1}"], r.stderr
+    assert f"step: {damaged - 1}.0000" in r.stdout
+    r = _cmd(work, ["tools/convert_ckpt.py", f"--model_dir={model}", "--format=raw",
+                    f"--out={work / 'damaged_export'}"])
+    assert r.returncode == 0 and len(_lines(r.stderr)) == 1, r.stderr
+    assert f"exported step {damaged - 1} of" in r.stdout
+    assert tree_hash(model) == before
+
+
+def test_damage_cause_is_a_few_words():
+    from ode_lm.training.checkpoint import damage_cause
+
+    try:
+        try:
+            raise ValueError('OUT_OF_RANGE: Error reading "params.x/0.0" in OCDBT database: '
+                             "Requested byte range [6, 9) is not valid for value of size 4")
+        except ValueError as inner:
+            raise Exception("Encountered error while reading array index: " + "x" * 400) \
+                from inner
+    except Exception as e:  # noqa: BLE001 - the shape TensorStore's errors come in
+        assert damage_cause(e) == "a file is truncated"
+    assert damage_cause(json.JSONDecodeError("Expecting value", "", 0)) == \
+        "a file is empty or not JSON"
+
+
+# ------------------------------------------------------------------ 5. export
+
+
+@slow
+def test_export_without_its_data_dir_is_refused_unless_weights_only(work, finished):
+    model = _copy(finished, work / "no_data")
+    cfg = json.loads((model / "data_config.json").read_text())
+    cfg["data_dir"] = str(work / "gone")
+    (model / "data_config.json").write_text(json.dumps(cfg))
+    before, out = tree_hash(model), work / "hf_out"
+    r = _cmd(work, ["tools/convert_ckpt.py", f"--model_dir={model}", "--format=hf",
+                    f"--out={out}"])
+    assert r.returncode == 1 and not out.exists()
+    lines = _lines(r.stderr)
+    assert len(lines) == 1 and str(work / "gone") in lines[0], r.stderr
+    assert "--weights_only" in lines[0]
+    r = _cmd(work, ["tools/convert_ckpt.py", f"--model_dir={model}", "--format=hf",
+                    f"--out={out}", "--weights_only"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not list(out.glob("tokenizer*")) and not (out / "ode_lm_tokenizer.json").exists()
+    for name in ("generation_config.json", "config.json"):
+        text = (out / name).read_text()
+        assert "null" not in text, (name, text)
+    assert tree_hash(model) == before
+
+
+def test_token_ids_never_null(tmp_path):
+    from ode_lm.export.tokenizer_files import check_tokenizer_source, token_ids
+
+    assert token_ids(None) == {} and token_ids(str(tmp_path)) == {}
+    with pytest.raises(FileNotFoundError, match=f"data dir {tmp_path} is missing"):
+        check_tokenizer_source(str(tmp_path))
+    check_tokenizer_source(None)  # a run built in code records no data: weights alone
+
+
+# ------------------------------------------------------- 4. adaptive step cap
+
+
+@slow
+def test_eval_cli_warns_in_one_line_when_the_step_cap_is_hit(work, finished):
+    before = tree_hash(finished)
+    r = _cmd(work, ["-m", "ode_lm.eval", f"--model_dir={finished}", "--solver=adaptive",
+                    "--rtol=1e-9", "--atol=1e-12"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = _lines(r.stderr)
+    assert len(lines) == 1 and "step cap (256) on 1 of 1 batches (100%)" in lines[0], r.stderr
+    assert tree_hash(finished) == before
+
+
+def test_adaptive_solve_reports_the_step_cap():
+    from ode_lm.models.solvers import solve_adaptive
+
+    x0 = jnp.ones((2, 3), jnp.float32)
+    stiff = lambda x, t: -50.0 * x * jnp.cos(40.0 * t)  # noqa: E731
+    _, free = solve_adaptive(stiff, x0, rtol=1e-3, atol=1e-6)
+    _, capped = solve_adaptive(stiff, x0, rtol=1e-3, atol=1e-6, max_steps=3)
+    assert not bool(free.capped) and bool(capped.capped)
+    assert int(capped.accepted) + int(capped.rejected) == 3
+
+
+def test_eval_loop_warns_once_with_the_capped_fraction(caplog):
+    from ode_lm.training.step import run_eval
+
+    outputs = iter([(2.0, 4.0, 30.0, 1.0), (2.0, 4.0, 10.0, 0.0), (2.0, 4.0, 10.0, 0.0),
+                    (2.0, 4.0, 10.0, 1.0)])
+    with caplog.at_level(logging.WARNING, logger="ode_lm"):
+        res = run_eval(lambda p, b: next(outputs), None, range(4), label="eval@adaptive")
+    assert res.capped == 0.5 and res.loss == 0.5 and res.nfe == 15.0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "step cap (256) on 2 of 4 batches (50%)" in warnings[0]
+
+
+def test_progress_line_has_an_eta_and_short_passes_stay_quiet():
+    from ode_lm.training.metrics import Progress
+
+    now, shown = [0.0], []
+    p = Progress("eval", 40, clock=lambda: now[0], log_fn=shown.append, every_s=10)
+    now[0] = 5.0
+    p.update(4)
+    assert shown == []
+    now[0] = 10.0
+    p.update(8)
+    assert shown == ["eval: 8/40 batches | 0.8/s | ETA 40s"]
+    quiet = Progress("eval", 3, clock=lambda: 0.0, log_fn=shown.append)
+    quiet.update(3)
+    quiet.done()
+    assert len(shown) == 1
+
+
+# --------------------------------------------------------- 1. one timeline
+
+
+def test_trim_after_drops_rows_and_events_past_the_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ode_lm.training import metrics
+
+    writer = metrics.create_writer(str(tmp_path), process_index=0)
+    for step in range(1, 6):
+        writer.write_scalars(step, {"train/loss": float(step)})
+    writer.close()
+    events = sorted(str(p) for p in tmp_path.glob("events.out.tfevents.*"))
+    assert metrics.trim_after(str(tmp_path / "metrics.jsonl"), events, 3) == 2
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2, 3]
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3]
+    assert metrics.trim_after(str(tmp_path / "metrics.jsonl"), events, 3) == 0
+
+
+def test_config_changes_name_each_binding():
+    from ode_lm.training.run_dir import config_changes
+
+    old = "ODE_STEPS = 4\nModelConfig.num_steps = %ODE_STEPS\nOptimizerConfig.lr = 0.001\n"
+    new = "ODE_STEPS = 8\nModelConfig.num_steps = %ODE_STEPS\nOptimizerConfig.lr = 0.001\n"
+    assert config_changes(old, new) == ["ODE_STEPS 4 \u2192 8"]
+    assert config_changes(old, old) == []
+
+
+def test_second_sigint_raises_stop_now():
+    from ode_lm.training.preemption import PreemptionWatcher, StopNow
+
+    w = PreemptionWatcher().install()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert w.should_stop(1) and w.reason == "Ctrl-C"
+        with pytest.raises(StopNow):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+    finally:
+        w.uninstall()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
