@@ -332,7 +332,8 @@ def train(args) -> dict:
         optimizer_config=OptimizerConfig(learning_rate=1e-2, warmup_steps=2),
         checkpoint_config=CheckpointConfig(save_every=1, max_to_keep=3),
         train_data=synthetic_train_data(t, b, v, args.delay),
-        eval_data=lambda d, mesh, rules: []).run()
+        eval_data=lambda d, mesh, rules: [  # one held-out batch (its own seed)
+            next(synthetic_train_data(t, b, v)(d, mesh, rules, 10_000)[1])]).run()
     return {"step": result.step, "last_loss": result.last_loss}
 
 

@@ -5,7 +5,10 @@
 # The run-tool call a session lent an H200 makes (after `tools/gpu_wheels.sh` here):
 #   run(command="bash tools/gpu_session.sh 2>&1", carry=["wheels"], timeout_s=540)
 # ($OUT is set there; the script stays under TOTAL_BUDGET_S = 450 s of its own, so the
-# machine's start plus one rerun fit the 15-minute lease.)
+# machine's start plus one partial rerun fit the 15-minute lease.) A rerun of part of it:
+#   run(command="SKIP=attention,parity,determinism,resume bash tools/gpu_session.sh 2>&1",
+#       carry=["wheels"], timeout_s=400)
+# If smoke (import + one compile on the machine's jax) fails, the script stops right there.
 #
 # CPU dry run (what tests/test_gpu_session.py runs; micro sizes, short boxes):
 #   OUT=/tmp/out tools/gpu_session.sh --dry-run
@@ -22,6 +25,7 @@ set -uo pipefail
 
 DRY_RUN=0
 [[ "${1:-}" == "--dry-run" ]] && DRY_RUN=1
+SKIP=",${SKIP:-},"  # a rerun: SKIP=attention,parity,determinism,resume skips those steps
 
 # ---- budgets (seconds); each step also stops when TOTAL_BUDGET_S is spent
 TOTAL_BUDGET_S=450
@@ -40,6 +44,7 @@ PROFILE_S=60         # optional: only if the time is left
 BENCH_VARIANTS_S=120 # optional: weight generation and remat variants
 # ---- sizes
 SIZE_FLAG=""
+PARITY_STEPS=3
 TRAIN_RUN_STEPS=12
 BENCH_CONFIG=gpu_large
 BENCH_STEPS=10
@@ -47,10 +52,10 @@ REAL_RUN_GIN=(--gin.D_MODEL=768 --gin.NUM_HEADS=12 --gin.SEQ_LEN=1024 --gin.BATC
               "--gin.ModelConfig.dtype='bfloat16'" --gin.TRAIN_STEPS=100000
               --gin.TrainConfig.log_every=20 --gin.CheckpointConfig.save_every=1000)
 if (( DRY_RUN )); then
-  TOTAL_BUDGET_S=240; INSTALL_S=5; ENV_S=30; SMOKE_S=60; ATTENTION_S=45; PARITY_S=90
-  DETERMINISM_S=60; RESUME_S=90; BENCH_S=90; DATA_S=90; REAL_RUN_S=60; REAL_RUN_TRAIN_S=15
+  TOTAL_BUDGET_S=300; INSTALL_S=5; ENV_S=30; SMOKE_S=60; ATTENTION_S=45; PARITY_S=90
+  DETERMINISM_S=60; RESUME_S=90; BENCH_S=90; DATA_S=90; REAL_RUN_S=60; REAL_RUN_TRAIN_S=25
   PROFILE_S=40; BENCH_VARIANTS_S=0
-  SIZE_FLAG="--small"; TRAIN_RUN_STEPS=6; BENCH_CONFIG=tiny; BENCH_STEPS=2
+  SIZE_FLAG="--small"; PARITY_STEPS=2; TRAIN_RUN_STEPS=6; BENCH_CONFIG=tiny; BENCH_STEPS=2
   REAL_RUN_GIN=(--gin.SEQ_LEN=64 --gin.BATCH_SIZE=4 --gin.TRAIN_STEPS=100000
                 --gin.TrainConfig.log_every=2 --gin.CheckpointConfig.save_every=1000)
 fi
@@ -95,6 +100,7 @@ step() {
   [[ $1 == optional ]] && { optional=1; shift; }
   [[ $1 == -- ]] && shift
   local remaining; remaining=$(left)
+  if [[ $SKIP == *",$name,"* ]]; then echo "== $name: skipped (SKIP)"; return 0; fi
   if (( budget <= 0 )) || { (( optional )) && (( remaining < budget )); }; then
     echo "== $name: skipped (budget $budget s, $remaining s left)"; return 0
   fi
@@ -132,8 +138,8 @@ export PYTHONPATH
 
 # ---- the built-in corpus for the real run, prepared on the CPU meanwhile
 DATA_DIR="$WORK/data/builtin-bpe2048"
-( timeout -k 10 "$DATA_S" $PY -m ode_lm prepare --source=builtin --tokenizer=bpe:2048 \
-    --data_dir="$DATA_DIR" --no_progress > "$WORK/prepare.log" 2>&1
+( JAX_PLATFORMS=cpu timeout -k 10 "$DATA_S" $PY -m ode_lm prepare --source=builtin --tokenizer=bpe:2048 \
+    --holdout_fraction=0.05 --data_dir="$DATA_DIR" --no_progress > "$WORK/prepare.log" 2>&1
   echo $? > "$WORK/prepare.rc" ) &
 PREPARE_PID=$!
 
@@ -141,24 +147,29 @@ PREPARE_PID=$!
 env_report() {
   nvidia-smi 2>&1 || echo "no nvidia-smi"
   echo "uname: $(uname -a)"; echo "nproc: $(nproc)"
-  $PY -c 'import sys, jax; print("python", sys.version); print("jax", jax.__version__);
-print("devices", jax.devices()); print("backend", jax.default_backend())'
+  $PY -c 'import json, sys, jax; env = {"python": sys.version, "jax": jax.__version__,
+"devices": [str(d) for d in jax.devices()], "backend": jax.default_backend()}; print(env)
+json.dump(dict(env, ok=True), open(sys.argv[1], "w"))' "$STEPS/env.json"
   $PY -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda|flax|optax|orbax|tensorstore|grain|array.record|gin|clu|etils|numpy|ml.dtypes|protobuf|tensorboard|nvidia-cudnn|ml.collections|zstandard) '
   for f in --xla_gpu_deterministic_ops=true --xla_gpu_exclude_nondeterministic_ops=true; do
     XLA_FLAGS=$f $PY -c 'import jax.numpy as j; j.ones(2).sum().block_until_ready()' \
       > /dev/null 2>&1 && echo "XLA flag accepted: $f" || echo "XLA flag REFUSED: $f"
   done
 }
-export -f env_report; export PY
+export -f env_report; export PY STEPS
 step env "$ENV_S" -- bash -c env_report
 DET_FLAG=--xla_gpu_deterministic_ops=true
 grep -q "REFUSED: $DET_FLAG" "$STEPS/env.log" && DET_FLAG=--xla_gpu_exclude_nondeterministic_ops=true
 
 # ---- correctness
 step smoke "$SMOKE_S" -- $PY "${CHECKS[@]}" smoke $SIZE_FLAG --out "$STEPS/smoke.json"
+if [[ $SKIP != *",smoke,"* ]] && ! grep -q '"rc": 0' "$STEPS/smoke.status"; then
+  echo "smoke failed (import or first compile on this jax): nothing else can pass; stopping"
+  kill "$PREPARE_PID" 2>/dev/null; exit 1
+fi
 step attention "$ATTENTION_S" -- $PY "${CHECKS[@]}" attention $SIZE_FLAG \
   --out "$STEPS/attention.json"
-step parity "$PARITY_S" -- $PY "${CHECKS[@]}" parity $SIZE_FLAG --steps 3 \
+step parity "$PARITY_S" -- $PY "${CHECKS[@]}" parity $SIZE_FLAG --steps "$PARITY_STEPS" \
   --out "$STEPS/parity.json"
 step determinism "$DETERMINISM_S" -- env XLA_FLAGS="$DET_FLAG" XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 \
   $PY "${CHECKS[@]}" determinism $SIZE_FLAG --steps "$TRAIN_RUN_STEPS" --workdir "$WORK/det" \
