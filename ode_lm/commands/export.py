@@ -1,7 +1,8 @@
 """Export an ode-lm run (any mesh's checkpoint, on one CPU, parameters only).
 
   ode-lm export --model_dir=RUN --format=hf --out=DIR [--num_steps=M]
-      [--step=S] [--dtype=fp32|bf16] [--verify] [--data_dir=PREPARED] [--max_shard_mb=N]
+      [--step=S] [--dtype=fp32|bf16] [--verify] [--data_dir=PREPARED | --weights_only]
+      [--max_shard_mb=N]
 
 Formats: raw (hypernetwork parameters as safetensors + JSON config, lossless), hf (the model
 materialised at M Euler steps; neox → GPTNeoXForCausalLM, gpt2/llama → shipped modelling
