@@ -74,8 +74,13 @@ def write_hf(model, out_dir: str, fmt: str, *, num_steps: int | None, dtype: str
     source_steps = model.config.num_steps
     pm = _materialised(model, num_steps)
     cfg = pm.config
-    ids = tokenizer_files.token_ids(data_dir)
     stock = cfg.architecture == "sequential" or cfg.flavour == "neox"
+    ids = tokenizer_files.token_ids(data_dir)
+    if stock and not ids:
+        # A stock class fills a missing id with its own default (GPT-2's 50256, Llama's and
+        # GPT-NeoX's 2): there alone an unknown id (weights only) is an explicit null, so
+        # another tokenizer's ids never stand in for ours.
+        ids = dict.fromkeys(tokenizer_files.TOKEN_ID_KEYS)
     if cfg.architecture == "sequential":
         tensors, config = hf_sequential.sequential_export(pm, ids)
     elif cfg.flavour == "neox":

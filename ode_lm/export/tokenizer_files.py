@@ -29,15 +29,19 @@ def _manifest(data_dir: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def token_ids(data_dir: str | None) -> dict[str, int]:
     """bos/eos/pad ids for config.json: all the EOS (GPT-2 style documents are EOS-separated;
     padding is masked out, so any id will do). Empty without a tokenizer (a weights-only
-    export): an export never writes a null id; the loader must then be told the ids."""
+    export): the ids are left out, not null (a stock class's config alone marks them null,
+    ``convert.write_hf``, since it would otherwise fill in its own defaults)."""
     m = _manifest(data_dir) if data_dir else None
     eos = _eos_id(m)
     if eos is None:
         return {}
-    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos}
+    return dict.fromkeys(TOKEN_ID_KEYS, eos)
 
 
 def check_tokenizer_source(data_dir: str | None) -> None:
