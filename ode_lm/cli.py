@@ -19,6 +19,8 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from ode_lm.errors import UsageError  # noqa: F401  (re-exported: cli.UsageError)
+
 # gin appends "  In call to configurable 'X' (<class '...'>)" (or "<function ... at 0x..>")
 # to every exception raised inside a configurable; one per level of nesting.
 _GIN_CALL_SUFFIX = re.compile(r"\s*In call to configurable '[^']*' \(<[^>]*>\)")
@@ -37,10 +39,6 @@ def one_line(e: BaseException, verbose: bool = False) -> str:
 
 EXIT_FAILURE = 1  # the run failed: bad file, bad value inside a config, failed run
 EXIT_USAGE = 2  # the command line does not parse
-
-
-class UsageError(ValueError):
-    """A command line that does not parse (exit 2), as against a run that fails (exit 1)."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:

@@ -45,6 +45,18 @@ def small_texts(n: int = 60) -> list[str]:
             for i in range(n)]
 
 
+def cli_env(xla_cache: pathlib.Path) -> dict[str, str]:
+    """The environment of a CLI subprocess as a user runs it: CPU, 8 simulated devices, a
+    persistent XLA cache at ``xla_cache``, and no ``ODE_LM_DEBUG`` (errors stay one line)."""
+    env = dict(os.environ)
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_COMPILATION_CACHE_DIR=str(xla_cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.pop("ODE_LM_DEBUG", None)
+    return env
+
+
 def tree_hash(root: pathlib.Path) -> dict[str, str]:
     """relative path -> sha256 of every file, and '<dir>' for every directory."""
     import hashlib

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from data_helpers import micro_cli_gin, tree_hash
+from data_helpers import cli_env, micro_cli_gin, tree_hash
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _env(workdir: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_COMPILATION_CACHE_DIR=str(workdir / "xla_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    env.pop("ODE_LM_DEBUG", None)
-    return env
+    return cli_env(workdir / "xla_cache")
 
 
 def _run(workdir: Path, argv: list[str]) -> subprocess.CompletedProcess:

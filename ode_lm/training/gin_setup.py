@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import gin
 
-from ode_lm.cli import UsageError
 from ode_lm.config_types import register_with_gin
 from ode_lm.data.config import DataConfig
+from ode_lm.errors import UsageError
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
 from ode_lm.training.optim import OptimizerConfig
