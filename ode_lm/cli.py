@@ -80,6 +80,14 @@ int_list = _list_type(int, "int")  # argparse type for '2,4,8'; the error names 
 float_list = _list_type(float, "float")
 
 
+def doc_parser(prog: str, doc: str) -> ArgumentParser:
+    """A command's parser from its module docstring: the first paragraph is the description,
+    the rest (usage examples, notes) the epilog, printed as written."""
+    head, _, rest = doc.partition("\n\n")
+    return ArgumentParser(prog=prog, description=head, epilog=rest,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def debug() -> bool:
     return bool(os.environ.get("ODE_LM_DEBUG"))
 

@@ -22,9 +22,7 @@ COMMANDS = ("trajectory", "spectral", "lyapunov")
 
 
 def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                           epilog="\n".join(__doc__.splitlines()[2:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("command", choices=COMMANDS, help="the analysis to run")
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")

@@ -354,9 +354,7 @@ def write_json(path: str, reports: list[Report]) -> None:
 
 
 def build_parser(prog: str = "ode-lm aot") -> argparse.ArgumentParser:
-    doc = __doc__.split("\n\n")
-    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("--gin_file", action="append", default=[], required=True)
     p.add_argument("--gin.NAME=VALUE", dest="gin_shorthand", action="store_true",
                    help="gin bindings, as ode-lm train takes them")

@@ -44,9 +44,7 @@ SWEEPS = {
 
 def parse_args(argv: Sequence[str] | None = None, prog: str = "ode-lm bench"
                ) -> argparse.Namespace:
-    doc = __doc__.split("\n\n")
-    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("--config", default="cpu_small", help="tiny | cpu_small | gpu_large")
     p.add_argument("--steps", type=int, default=10, help="timed steps per bench (>= 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bench first (>= 1)")

@@ -25,9 +25,7 @@ from ode_lm import cli
 def build_parser(prog: str = "ode-lm depth-report") -> argparse.ArgumentParser:
     from ode_lm.analysis.depth import DEFAULT_NUM_STEPS, DEFAULT_RTOLS, DEFAULT_SOLVERS
 
-    p = cli.ArgumentParser(prog=prog, description=__doc__.split("\n")[0],
-                           epilog="\n".join(__doc__.splitlines()[2:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("--model_dir", required=True, help="a training run directory")
     p.add_argument("--compare_dir", default=None, help="a second run to overlay")
     p.add_argument("--out", required=True, help="output directory")

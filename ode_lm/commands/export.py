@@ -22,9 +22,7 @@ from ode_lm import cli
 def build_parser(prog: str = "ode-lm export") -> argparse.ArgumentParser:
     from ode_lm.export.convert import FORMATS
 
-    p = cli.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                           epilog="\n".join(__doc__.splitlines()[2:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("--model_dir", required=True, help="training or fine-tuning run directory")
     p.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)}")
     p.add_argument("--out", required=True, help="export directory (created; must be empty)")

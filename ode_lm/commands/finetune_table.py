@@ -70,9 +70,7 @@ def zero_shot_perplexity(model, data_config, num_steps: int) -> float:
 
 
 def build_parser(prog: str = "ode-lm finetune-table") -> argparse.ArgumentParser:
-    doc = __doc__.splitlines()
-    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n".join(doc[2:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("--pretrain_steps", type=int, default=60)
     p.add_argument("--finetune_steps", type=int, default=15)
     p.add_argument("--depths", type=cli.int_list, default=[3, 6, 12],

@@ -21,9 +21,7 @@ from ode_lm.data.config import DataConfig
 
 def build_parser(prog: str = "ode-lm prepare") -> argparse.ArgumentParser:
     d = DataConfig()
-    ap = cli.ArgumentParser(prog=prog, description=__doc__.splitlines()[0],
-                            epilog="\n".join(__doc__.splitlines()[2:]),
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.doc_parser(prog, __doc__)
     ap.add_argument("--source", default=d.source,
                     help="builtin | paths/globs/dirs (local, gs://) | "
                          "hf://datasets/<owner>/<name>[/<glob>] | tfds:<name>")

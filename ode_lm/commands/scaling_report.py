@@ -194,9 +194,7 @@ def plot(points: Sequence[RunPoint], fits: Sequence[PowerLaw], path: str) -> Non
 
 
 def build_parser(prog: str = "ode-lm scaling-report") -> argparse.ArgumentParser:
-    doc = __doc__.split("\n\n")
-    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("runs", nargs="+", help="run dirs, or a sweep root holding them")
     p.add_argument("--out", required=True, help="folder for scaling.png/.csv and fits.csv")
     p.add_argument("--loss_tag", default=LOSS_TAG)

@@ -230,9 +230,7 @@ def run_locally(runs: list[Run], log_dir: str) -> list[tuple[Run, int, float]]:
 
 
 def build_parser(prog: str = "ode-lm sweep") -> argparse.ArgumentParser:
-    doc = __doc__.split("\n\n")
-    p = cli.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.doc_parser(prog, __doc__)
     p.add_argument("sweep_file", help="configs/sweeps/<name>.gin")
     p.add_argument("--root", required=True, help="parent of the runs' model dirs (local or gs://)")
     mode = p.add_mutually_exclusive_group()
