@@ -13,12 +13,9 @@ instead (``ode_lm.harness``; at each ``--num_steps``), with no export.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from ode_lm import cli
 
@@ -49,70 +46,6 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Names
     return p.parse_args(argv)
 
 
-@dataclasses.dataclass
-class EvalRun:
-    """A saved run ready to evaluate: its model config, data config, mesh, state spec and
-    parameters (restored once; the depth report evaluates many solvers on one of these)."""
-
-    model_dir: str
-    model_config: Any
-    data_config: Any
-    mesh: Any
-    rules: Any
-    spec: Any
-    params: Any
-    step: int
-
-    def model(self):
-        from flax import nnx
-
-        return nnx.merge(self.spec.graphdef, nnx.State(self.params), self.spec.rest)
-
-    def evaluator(self, split: str = "validation"):
-        """``training.evaluation.Evaluator`` over the whole split (what the trainer uses)."""
-        from ode_lm.data import (
-            check_eval_split,
-            load_manifest,
-            make_eval_iterator,
-            to_global_batch,
-        )
-        from ode_lm.training.evaluation import Evaluator
-
-        def batches():
-            return (to_global_batch(b, self.mesh, self.rules)
-                    for b in make_eval_iterator(self.data_config, split))
-
-        return Evaluator(self.spec, batches, model_num_steps=self.model_config.num_steps,
-                         model_solver=self.model_config.solver, model_rtol=self.model_config.rtol,
-                         what=f"split {split!r} of {self.data_config.data_dir}",
-                         num_batches=check_eval_split(
-                             self.data_config, load_manifest(self.data_config.data_dir), split))
-
-    def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
-                 rtol: float | None = None, atol: float | None = None,
-                 split: str = "validation"):
-        """``step.EvalResult`` (loss, tokens, mean NFE) over the whole split."""
-        return self.evaluator(split).result(self.params, num_steps, solver, rtol=rtol, atol=atol)
-
-
-def load_eval_run(model_dir: str, step: int | None = None) -> EvalRun:
-    """Model and data settings from MODEL_DIR, parameters restored onto all local devices."""
-    from ode_lm import partitioning
-    from ode_lm.training.run_dir import RunDir, load_model
-
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
-    data_config = RunDir(model_dir).data_config()
-    if data_config is None:
-        raise FileNotFoundError(f"--model_dir={model_dir}: no data_config.json naming the "
-                                "run's data: is it a training run?")
-    mesh = partitioning.create_mesh((1, -1, 1))
-    rules = partitioning.axis_rules()
-    _, run = load_model(model_dir, step, mesh=mesh, rules=rules)
-    return EvalRun(model_dir, run.config, data_config, mesh, rules, run.spec, run.params,
-                   run.step)
-
-
 def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None) -> None:
     from ode_lm.models import solvers as solvers_lib
 
@@ -136,8 +69,10 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     (``training.evaluation.metric_suffix``: no suffix at the model's own solver and N,
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
     adaptive)."""
+    from ode_lm.training.saved_run import load_run
+
     check_solver_flags(solver, rtol, atol)
-    run = load_eval_run(model_dir, step)
+    run = load_run(model_dir, step)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
     return {"step": float(run.step), **sweep}
 
@@ -146,11 +81,12 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
     """``--lm_eval_tasks`` on the checkpoint at each N through ``harness.adapter.OdeLM``."""
     from ode_lm.data.tokenizers import get_tokenizer
     from ode_lm.harness import run as harness
+    from ode_lm.training.saved_run import load_run
 
     check_solver_flags(args.solver, args.rtol, args.atol)
     tasks = harness.parse_tasks(args.lm_eval_tasks)
     harness.task_manager(tasks, args.lm_eval_include_path)  # bad tasks/paths before the restore
-    run = load_eval_run(args.model_dir, args.step)
+    run = load_run(args.model_dir, args.step)
     tokenizer = get_tokenizer(run.data_config.tokenizer, run.data_config.data_dir)
     return {"step": float(run.step), **harness.evaluate_model(
         run.model(), tokenizer, tasks, num_steps=steps, solver=args.solver, rtol=args.rtol,

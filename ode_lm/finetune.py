@@ -134,7 +134,7 @@ def make_init_params_fn(cfg: FinetuneConfig, model_config: ModelConfig, step: in
 
     def init(abstract_params: Any) -> Any:
         from ode_lm.models.materialize import materialize
-        from ode_lm.training.run_dir import load_model
+        from ode_lm.training.saved_run import load_model
 
         model, _ = load_model(cfg.pretrained_dir, step)
         if cfg.mode == "materialised":
@@ -157,7 +157,7 @@ def global_from_host(value: np.ndarray, sharding: Any) -> jax.Array:
 
 
 def finetune_info(cfg: FinetuneConfig, step: int) -> dict[str, Any]:
-    """``finetune.json``: what ``run_dir.load_model`` needs to rebuild (and merge) the model."""
+    """``finetune.json``: what ``saved_run.load_model`` needs to rebuild (and merge) the model."""
     return {"pretrained_dir": os.path.abspath(cfg.pretrained_dir), "pretrained_step": step,
             "num_steps": cfg.num_steps, "method": cfg.method, "mode": cfg.mode,
             "train_embeddings": cfg.train_embeddings,

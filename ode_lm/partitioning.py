@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -179,27 +178,15 @@ def sharding_table(params: Any) -> tuple[str, int, int]:
     return "\n".join(lines), per_dev, total
 
 
-SHARDING_FILE = "sharding.txt"
-
-
 def sharding_text(mesh: Mesh, table: str) -> str:
+    """The table as a run keeps it (``RunDir.write_run_files``)."""
     return f"parameter sharding on mesh {dict(mesh.shape)}:\n{table}\n"
 
 
 def log_sharding_table(mesh: Mesh, table: str) -> None:
     """The table on the console only at DEBUG (``--verbose``): at INFO its ~50 lines would
-    bury a failed run's one-line error; a run keeps it in ``MODEL_DIR/sharding.txt``."""
+    bury a failed run's one-line error; a run keeps it in its run directory."""
     logging.getLogger("ode_lm.train").debug("%s", sharding_text(mesh, table).rstrip())
-
-
-def write_sharding_table(model_dir: str, mesh: Mesh, table: str) -> str:
-    """Save the table as ``MODEL_DIR/sharding.txt`` (process 0); returns the path."""
-    path = os.path.join(model_dir, SHARDING_FILE)
-    if jax.process_index() == 0:
-        with open(path + ".tmp", "w") as f:
-            f.write(sharding_text(mesh, table))
-        os.replace(path + ".tmp", path)
-    return path
 
 
 def check_param_annotations(params: Any) -> None:

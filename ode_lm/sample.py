@@ -52,7 +52,7 @@ def load_tokenizer(model_dir: str, data_dir: str | None):
 
 def run(args: argparse.Namespace) -> list[str]:
     from ode_lm.generation import check_num_steps, generate
-    from ode_lm.training.run_dir import load_model
+    from ode_lm.training.saved_run import load_model
 
     check_num_steps(args.num_steps)
     model, run = load_model(args.model_dir, args.step)

@@ -10,7 +10,6 @@ save); both exit 130.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from ode_lm.cli import main_exit, run_gin_cli
@@ -29,10 +28,12 @@ def report(result) -> int:
     """The run summary on stdout (process 0 prints). A run stopped early or with nothing to
     train has said so in its one line already: exit 130 after Ctrl-C (the user's stop, so
     ``train && eval`` stops too), else 0 (SIGTERM: the scheduler reruns the command)."""
+    from ode_lm.training.run_dir import RunDir
+
     if result.preempted or result.nothing_to_train:
         return 130 if result.stopped_by == "Ctrl-C" else 0
     summary = [f"model dir: {result.model_dir}",
-               f"checkpoints: {os.path.join(result.model_dir, 'checkpoints')}",
+               f"checkpoints: {RunDir(result.model_dir).checkpoints}",
                f"tensorboard: tensorboard --logdir {result.model_dir}",
                f"steps: {result.step}"]
     if result.first_loss is not None:

@@ -1,10 +1,11 @@
 """Checkpoints: topology change 8 -> 4 -> 1 devices, half-written saves ignored, shape
-mismatch errors, params-only restore (``run_dir.load_model``) from a run saved on 8 devices."""
+mismatch errors, params-only restore (``saved_run.load_model``) from a run saved on 8 devices."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import shutil
 
 import jax
@@ -16,7 +17,8 @@ from ode_lm.data import DataConfig
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training.optim import OptimizerConfig
-from ode_lm.training.run_dir import load_model
+from ode_lm.training.run_dir import RunDir
+from ode_lm.training.saved_run import load_model
 from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer
 
 MODEL = ModelConfig(vocab_size=384, d_model=32, num_heads=2, num_steps=2, max_seq_len=32,
@@ -126,7 +128,7 @@ def test_restores_checkpoints_saved_with_zstd(tmp_path):
     state = {"params": {"w": jax.device_put(np.arange(64, dtype=np.float32).reshape(8, 8),
                                             NamedSharding(mesh, P("fsdp")))},
              "step": jax.device_put(np.int32(3), NamedSharding(mesh, P()))}
-    directory = tmp_path / ckpt_lib.CHECKPOINT_SUBDIR
+    directory = RunDir(str(tmp_path)).checkpoints
     with ocp.CheckpointManager(directory, item_handlers={
             "state": ocp.StandardCheckpointHandler()}) as old:
         old.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
@@ -149,7 +151,8 @@ def test_saves_are_not_compressed(tmp_path):
     ckpt = ckpt_lib.Checkpointer(str(tmp_path))
     ckpt.save(1, zeros, force=True)
     ckpt.close()
-    files = [p for p in (tmp_path / ckpt_lib.CHECKPOINT_SUBDIR / "1").rglob("*") if p.is_file()]
+    step_dir = pathlib.Path(RunDir(str(tmp_path)).checkpoints) / "1"
+    files = [p for p in step_dir.rglob("*") if p.is_file()]
     assert sum(p.stat().st_size for p in files) >= 4 * 2**20
 
 

@@ -15,7 +15,8 @@ from export_helpers import logits, make_run, tiny_config
 
 from ode_lm.export import export, load_raw
 from ode_lm.export.safetensors_io import INDEX_NAME, load_sharded
-from ode_lm.training.run_dir import RunDir, load_model
+from ode_lm.training.run_dir import RunDir
+from ode_lm.training.saved_run import load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ import pytest
 from export_helpers import logits, make_run, tiny_config
 
 from ode_lm.export import export
-from ode_lm.training.run_dir import load_model
+from ode_lm.training.saved_run import load_model
 
 pytest.importorskip("torch", reason="pip install -e '.[hf]' for the hf round trips")
 pytest.importorskip("transformers", reason="pip install -e '.[hf]' for the hf round trips")

@@ -28,6 +28,7 @@ from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import run_lock
 from ode_lm.training.optim import OptimizerConfig
+from ode_lm.training.run_dir import RunDir
 from ode_lm.training.trainer import (
     MeshConfig,
     TrainConfig,
@@ -86,10 +87,10 @@ def metrics(model_dir: Path) -> dict[int, dict]:
 
 
 def params_at(model_dir: Path, step: int | None = None):
-    """(params, step) through ``run_dir.load_model`` (restore_params: eval, sample, export)."""
+    """(params, step) through ``saved_run.load_model`` (restore_params: eval, sample, export)."""
     from flax import nnx
 
-    from ode_lm.training.run_dir import load_model
+    from ode_lm.training.saved_run import load_model
 
     model, run = load_model(str(model_dir), step)
     return nnx.to_pure_dict(nnx.state(model, nnx.Param)), run.step
@@ -102,7 +103,7 @@ def run2(tmp_path_factory, data_config):
     trainer = make_trainer(model_dir, data_config, 4, stop_at=2)
     assert trainer.run().step == 2
     assert steps_on_disk(model_dir) == [1, 2]
-    assert not (model_dir / run_lock.LOCK_FILE).exists()  # released on a normal exit
+    assert not Path(RunDir(str(model_dir)).lock).exists()  # released on a normal exit
     return model_dir
 
 
@@ -256,7 +257,7 @@ def test_trainer_stops_at_failed_save_and_latest_is_first_save(run2, data_config
     # save); the loop raises it at step 4's save at the latest
     assert max(metrics(model_dir)) <= 4, "the run went on after the failed save"
     assert steps_on_disk(model_dir) == [1]
-    assert not (model_dir / run_lock.LOCK_FILE).exists()  # released on the error too
+    assert not Path(RunDir(str(model_dir)).lock).exists()  # released on the error too
     params, step = params_at(model_dir)
     expected, _ = params_at(run2, step=1)  # same config: the first save of the healthy run
     assert step == 1 and ckpt_lib.tree_equal(host(params), host(expected))
@@ -371,7 +372,7 @@ def test_second_run_on_a_held_model_dir_stops_and_changes_nothing(run2, data_con
         holder.wait()
     lock = run_lock.acquire(str(model_dir))  # the kernel dropped the dead holder's flock
     lock.release()
-    assert not (model_dir / run_lock.LOCK_FILE).exists()
+    assert not Path(RunDir(str(model_dir)).lock).exists()
 
 
 def dead_pid() -> int:
@@ -386,7 +387,7 @@ def test_stale_lock_is_taken_over_and_released_on_sigterm(data_config, tmp_path,
     model_dir = tmp_path / "stale"
     model_dir.mkdir()
     pid = dead_pid()
-    (model_dir / run_lock.LOCK_FILE).write_text(json.dumps(
+    Path(RunDir(str(model_dir)).lock).write_text(json.dumps(
         {"pid": pid, "host": socket.gethostname(), "started": "2026-01-01T00:00:00Z"}))
 
     def sigterm_after_first_batch(*args):
@@ -405,13 +406,13 @@ def test_stale_lock_is_taken_over_and_released_on_sigterm(data_config, tmp_path,
     assert result.preempted and steps_on_disk(model_dir)[-1] == result.step < 4
     assert any("taking over" in r.getMessage() and f"pid {pid}" in r.getMessage()
                for r in caplog.records)
-    assert not (model_dir / run_lock.LOCK_FILE).exists()
+    assert not Path(RunDir(str(model_dir)).lock).exists()
 
 
 def test_lock_of_another_host_is_refused(tmp_path):
     model_dir = tmp_path / "other"
     model_dir.mkdir()
-    (model_dir / run_lock.LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
+    Path(RunDir(str(model_dir)).lock).write_text(json.dumps({"pid": 1, "host": "elsewhere"}))
     before = snapshot(model_dir)
     with pytest.raises(run_lock.RunLockedError, match="pid 1 on host elsewhere"):
         run_lock.acquire(str(model_dir))

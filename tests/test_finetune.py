@@ -12,7 +12,8 @@ from export_helpers import make_run, tiny_config
 
 from ode_lm import finetune as ft
 from ode_lm.data import DataConfig, ensure_prepared
-from ode_lm.training.run_dir import RunDir, load_model
+from ode_lm.training.run_dir import RunDir
+from ode_lm.training.saved_run import load_model
 
 TEXT = ("The solver integrates the vector field over depth. " * 3 +
         "Each step evaluates attention and the MLP with weights generated at time t. ")
@@ -76,8 +77,8 @@ MeshConfig.ici_parallelism = (-1, 1, 1)
 
 @pytest.mark.slow
 def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corpus, capsys):
-    from ode_lm.eval import load_eval_run
     from ode_lm.export import export
+    from ode_lm.training.saved_run import load_run
 
     out = str(tmp_path / "lora2")
     assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out)}"]) == 0
@@ -108,7 +109,7 @@ def test_lora_materialised_trains_resumes_and_exports(tmp_path, pretrained, corp
     # the merged weights evaluate like the wrapped model the trainer evaluated at its end:
     # float32 losses ~5 (ulp 4.8e-7), W + (α/r)·A·B folded once instead of inside the step
     final = RunDir(out).finetune_result()["eval"]["eval/loss"]
-    assert abs(load_eval_run(out).evaluate().loss - final) < 1e-5
+    assert abs(load_run(out).evaluate().loss - final) < 1e-5
 
 
 def test_full_continuous_finetune_at_new_depth(tmp_path, pretrained, corpus, capsys):

@@ -192,7 +192,7 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     from test_multihost import free_port, result_line
 
     from ode_lm.training.checkpoint import tree_equal
-    from ode_lm.training.run_dir import load_model
+    from ode_lm.training.saved_run import load_model
 
     script = tmp_path / "worker.py"
     script.write_text(WORKER)

@@ -24,7 +24,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from ode_lm.data import DataConfig  # noqa: E402
 from ode_lm.harness import run as harness  # noqa: E402
 from ode_lm.harness.adapter import OdeLM  # noqa: E402
-from ode_lm.training.run_dir import RunDir, load_model  # noqa: E402
+from ode_lm.training.run_dir import RunDir  # noqa: E402
+from ode_lm.training.saved_run import load_model  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TASKS = "tests/lm_eval_tasks"  # relative: the YAMLs' data_files are relative to the repo root

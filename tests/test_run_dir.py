@@ -16,6 +16,7 @@ import pytest
 
 from ode_lm.data import DataConfig
 from ode_lm.training import run_dir as run_dir_lib
+from ode_lm.training import saved_run
 from ode_lm.training.run_dir import RunDir
 
 OLD_CONFIG_GIN = """\
@@ -72,4 +73,4 @@ def test_a_dir_without_run_facts(tmp_path):
     with pytest.raises(FileNotFoundError, match="model_config.json not found"):
         run.model_config()
     with pytest.raises(FileNotFoundError, match="no such directory"):
-        run_dir_lib.load_model(str(tmp_path / "nope"))
+        saved_run.load_model(str(tmp_path / "nope"))

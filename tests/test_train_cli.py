@@ -140,14 +140,14 @@ def test_old_run_without_data_config_loads_through_its_config_gin(reference, tmp
     and gives the same DataConfig, so eval sees the same data."""
     import shutil
 
-    from ode_lm.eval import load_eval_run
     from ode_lm.training.run_dir import RunDir
+    from ode_lm.training.saved_run import load_run
 
     old = tmp_path / "old"
     shutil.copytree(reference, old)
     (old / "data_config.json").unlink()
     assert RunDir(str(old)).data_config() == RunDir(str(reference)).data_config()
-    run = load_eval_run(str(old))
+    run = load_run(str(old))
     assert run.data_config == RunDir(str(reference)).data_config() and run.step == 2 * K
 
 
@@ -178,7 +178,7 @@ def assert_same_params(a: Path, b: Path) -> None:
     from flax import nnx
 
     from ode_lm.training.checkpoint import tree_equal
-    from ode_lm.training.run_dir import load_model
+    from ode_lm.training.saved_run import load_model
 
     model_a, run_a = load_model(str(a))
     model_b, run_b = load_model(str(b))

@@ -338,8 +338,10 @@ def train(args) -> dict:
 
 
 def losses(model_dir: Path) -> dict[int, float]:
-    """Per-step train loss of metrics.jsonl; a step re-run after a kill overwrites its row."""
-    rows = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    """Per-step train loss of the run's metrics; a step re-run after a kill overwrites its row."""
+    from ode_lm.training.run_dir import RunDir
+
+    rows = [json.loads(x) for x in Path(RunDir(str(model_dir)).metrics).read_text().splitlines()]
     return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
@@ -387,7 +389,9 @@ def resume(args) -> dict:
     log = open(work / "killed.log", "w")  # noqa: SIM115
     p = subprocess.Popen(_train_cmd(args, killed, delay=args.delay or 0.2), stdout=log,
                          stderr=subprocess.STDOUT)
-    ckpts = killed / "checkpoints"
+    from ode_lm.training.run_dir import RunDir
+
+    ckpts = Path(RunDir(str(killed)).checkpoints)
     while p.poll() is None:
         done = [int(x.name) for x in ckpts.iterdir() if x.name.isdigit()] if ckpts.exists() else []
         if max(done, default=0) >= kill_after:
@@ -415,7 +419,7 @@ def _params_equal(a: Path, b: Path) -> bool:
     from flax import nnx
 
     from ode_lm.training.checkpoint import tree_equal
-    from ode_lm.training.run_dir import load_model
+    from ode_lm.training.saved_run import load_model
 
     (ma, ra), (mb, rb) = load_model(str(a)), load_model(str(b))
     return ra.step == rb.step and bool(tree_equal(nnx.state(ma, nnx.Param),

@@ -17,8 +17,11 @@ from pathlib import Path
 
 
 def run_figures(model_dir: Path) -> dict:
-    """The trainer's own throughput: last logged tokens/s, MFU and loss of metrics.jsonl."""
-    rows = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    """The trainer's own throughput: last logged tokens/s, MFU and loss of its metrics."""
+    from ode_lm.training.run_dir import RunDir
+
+    run = RunDir(str(model_dir))
+    rows = [json.loads(x) for x in Path(run.metrics).read_text().splitlines()]
     timed = [r for r in rows if "train/tokens_per_second" in r]
     last = timed[-1] if timed else {}
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
@@ -27,7 +30,7 @@ def run_figures(model_dir: Path) -> dict:
         "tokens_per_second": last.get("train/tokens_per_second"),
         "mfu": last.get("train/mfu"),
         "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None,
-        "tensorboard_files": sorted(p.name for p in model_dir.glob("events.out.tfevents.*")),
+        "tensorboard_files": [Path(p).name for p in run.event_files()],
         "ok": bool(timed) and bool(list(model_dir.glob("events.out.tfevents.*"))),
     }
 

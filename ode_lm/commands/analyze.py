@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> list[str]:
     import numpy as np
 
     from ode_lm.analysis import commands
-    from ode_lm.training.run_dir import load_model
+    from ode_lm.training.saved_run import load_model
 
     model, run = load_model(args.model_dir, args.step)
     config, step = run.config, run.step

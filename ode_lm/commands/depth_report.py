@@ -42,21 +42,21 @@ def build_parser(prog: str = "ode-lm depth-report") -> argparse.ArgumentParser:
 
 def report_run(model_dir: str, args, log) -> dict:
     from ode_lm.analysis import depth
-    from ode_lm.eval import load_eval_run
+    from ode_lm.training.saved_run import load_run
 
-    run = load_eval_run(model_dir, args.step)
+    run = load_run(model_dir, args.step)
     log(f"== {model_dir} (step {run.step})")
     curve = depth.depth_curve(run.evaluate, num_steps=args.num_steps,
                               solvers=args.solvers.split(","), rtols=args.rtols,
                               atol=args.atol, log=log)
     model = run.model()
-    if run.model_config.architecture != "ode":
+    if run.config.architecture != "ode":
         raise ValueError(f"--model_dir={model_dir}: architecture "
-                         f"{run.model_config.architecture!r} has no continuous depth")
+                         f"{run.config.architecture!r} has no continuous depth")
     smooth = depth.weight_smoothness(model.weights_at)
     log(f"smoothness max_t ‖W(t+δ)−W(t)‖/(δ‖W(t)‖) = {smooth['max']:.4g} ({smooth['argmax']})")
     return {"model_dir": model_dir, "step": run.step,
-            "trained_num_steps": run.model_config.num_steps, **curve,
+            "trained_num_steps": run.config.num_steps, **curve,
             "smoothness": smooth["max"], "smoothness_detail": smooth}
 
 

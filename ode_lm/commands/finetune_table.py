@@ -89,11 +89,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ode_lm import finetune as ft
     from ode_lm.training import gin_setup
-    from ode_lm.training.run_dir import RunDir, load_model
+    from ode_lm.training.run_dir import RunDir
+    from ode_lm.training.saved_run import load_model
 
     t0 = time.time()
     pre_dir = os.path.join(ROOT, "pretrain")
-    if not os.path.isdir(os.path.join(pre_dir, "checkpoints")):
+    if not RunDir(pre_dir).has_checkpoint():
         gin_setup.parse_gin(gin_setup.GinFlags(
             files=[PRETRAIN_GIN],
             bindings=[f"TRAIN_STEPS = {args.pretrain_steps}", f"MODEL_DIR = '{pre_dir}'"]))

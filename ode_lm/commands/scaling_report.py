@@ -1,8 +1,8 @@
 """Scaling report: final eval loss against training FLOPs, one series per ODE step count.
 
-Reads each run's ``model_config.json`` (written by the trainer) and its TensorBoard event
-files, computes training FLOPs = analytic flops_per_token x tokens seen, fits a power law
-L = a * C^b per series (least squares in log-log), and writes ``scaling.png``,
+Reads each run's model config (``RunDir.model_config``, written by the trainer) and its
+TensorBoard event files, computes training FLOPs = analytic flops_per_token x tokens seen,
+fits a power law L = a * C^b per series (least squares in log-log), and writes ``scaling.png``,
 ``scaling.csv`` and ``fits.csv``.
 
     ode-lm scaling-report /tmp/sweep --out /tmp/sweep/report
@@ -78,7 +78,7 @@ def analytic_flops_per_token(config) -> float:
 
 
 def find_runs(paths: Sequence[str]) -> list[str]:
-    """Run dirs (holding model_config.json) given directly or up to two levels below."""
+    """Run dirs (holding a model config) given directly or up to two levels below."""
     from ode_lm.training.run_dir import MODEL_CONFIG
 
     runs = []
@@ -208,9 +208,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm scaling-report")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ode_lm.training.run_dir import MODEL_CONFIG
+
     run_dirs = find_runs(args.runs)
     if not run_dirs:
-        raise ValueError(f"no run dirs (with model_config.json) under {args.runs}")
+        raise ValueError(f"no run dirs (with {MODEL_CONFIG}) under {args.runs}")
     points = collect(run_dirs, args.loss_tag, args.tokens_tag)
     fits = fit_series(points)
     write_csv(points, fits, args.out)

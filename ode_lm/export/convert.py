@@ -122,7 +122,8 @@ def export(
 ) -> ExportResult:
     """``weights_only``: export without the run's tokenizer (no tokenizer files, no special
     token ids); otherwise a missing data dir is refused before anything is written."""
-    from ode_lm.training.run_dir import RunDir, load_model
+    from ode_lm.training.run_dir import RunDir
+    from ode_lm.training.saved_run import load_model
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")

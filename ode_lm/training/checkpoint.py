@@ -34,14 +34,13 @@ from ode_lm.config_types import check_types
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
 from ode_lm.training.preemption import PreemptionWatcher, StopNow  # noqa: F401 - re-exported
+from ode_lm.training.run_dir import RunDir
 from ode_lm.training.save_worker import (
     FrozenIteratorState,
     SaveWorker,
     SnapshotPool,
     use_coordination_barriers,
 )
-
-CHECKPOINT_SUBDIR = "checkpoints"
 
 log = logging.getLogger("ode_lm.checkpoint")
 
@@ -95,7 +94,7 @@ class Checkpointer:
         """``async_directories``: orbax creates each step's directories in its background
         thread, off the train loop (``tools/bench_checkpoint.py`` compares both)."""
         self.config = config
-        self.directory = epath.Path(model_dir) / CHECKPOINT_SUBDIR
+        self.directory = epath.Path(RunDir(model_dir).checkpoints)
         options = ocp.CheckpointManagerOptions(
             # orbax decides when to save (``should_save``): every ``save_every`` steps and at
             # a pod's preemption sync point. Its default policy would also save the first
@@ -425,7 +424,7 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
     """
     install_save_noise_filters()  # a damaged step's failed reads report like a failed save
     local = "://" not in model_dir  # orbax wants absolute paths: a relative one read as damaged
-    directory = epath.Path(os.path.abspath(model_dir) if local else model_dir) / CHECKPOINT_SUBDIR
+    directory = epath.Path(RunDir(os.path.abspath(model_dir) if local else model_dir).checkpoints)
     steps = _complete_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no complete checkpoint under {directory}")

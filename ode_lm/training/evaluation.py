@@ -1,7 +1,7 @@
 """The eval of a run at one or several settings, shared by ``Trainer.evaluate`` and ``ode_lm.eval``.
 
 One naming for both (``metric_suffix``, the one function that names eval figures), so a
-TensorBoard tag, a ``metrics.jsonl`` key, a ``finetune_result.json`` key and the eval CLI's
+TensorBoard tag, a metrics row's key, a fine-tune result's key and the eval CLI's
 output mean the same thing. A figure is plain only at the run's own solver and N:
 
 * ``eval/loss``, ``eval/perplexity``, ``eval/nfe``: the run's own solver

@@ -19,6 +19,7 @@ import numpy as np
 from clu import metrics as clu_metrics
 
 from ode_lm.hardware import peak_flops_table
+from ode_lm.training.run_dir import RunDir
 
 # Dense peak FLOP/s per chip: (bf16, fp32), from the one chip table in ode_lm/hardware.py.
 PEAK_FLOPS: dict[str, tuple[float, float]] = peak_flops_table()
@@ -161,7 +162,7 @@ class CluWriter(MetricWriter):
 
 
 class JsonlWriter(MetricWriter):
-    """One JSON line per write: ``MODEL_DIR/metrics.jsonl`` for scripts and tests."""
+    """One JSON line per write: ``RunDir.metrics`` for scripts and tests."""
 
     def __init__(self, path: str):
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
@@ -215,12 +216,12 @@ def create_writer(model_dir: str, process_index: int | None = None) -> MetricWri
     if (jax.process_index() if process_index is None else process_index) != 0:
         return MultiWriter([])
     tb = CluWriter(model_dir) if tensorflow_available() else EventFileMetricWriter(model_dir)
-    return MultiWriter([tb, JsonlWriter(os.path.join(model_dir, "metrics.jsonl"))])
+    return MultiWriter([tb, JsonlWriter(RunDir(model_dir).metrics)])
 
 
 def trim_after(jsonl_path: str, event_paths: list[str], step: int) -> int:
     """Drop what was logged for steps after ``step`` (the checkpoint a run resumes from):
-    ``metrics.jsonl`` rows and TensorBoard events, each file rewritten atomically, so the
+    the jsonl rows and TensorBoard events, each file rewritten atomically, so the
     resumed run's rows are the only ones for those steps. Returns the rows dropped."""
     dropped = 0
     if os.path.exists(jsonl_path):

@@ -1,5 +1,8 @@
-"""The run directory (``MODEL_DIR``): its layout, the files that hold a run's facts, and the
-one way to load a saved run's model.
+"""The run directory (``MODEL_DIR``): its layout and the files that hold a run's facts.
+
+``RunDir`` builds every path in a run directory; no other module spells a file name of it
+(the checkpointer, the run lock, the metrics writer and the trainer ask ``RunDir``). Loading a
+saved run's model is ``training/saved_run.py``.
 
 Layout (one run, pretraining or fine-tuning)::
 
@@ -12,9 +15,9 @@ Layout (one run, pretraining or fine-tuning)::
                            and fine-tuning learn the run's data from this
     finetune.json          fine-tunes: what they were made from (method, mode, LoRA spec)
     finetune_result.json   fine-tunes: trainable parameter counts and the final eval
-    checkpoints/<step>/{state,data}   training/checkpoint.py (``CHECKPOINT_SUBDIR``)
-    sharding.txt           partitioning.write_sharding_table (``SHARDING_FILE``)
-    run.lock               training/run_lock.py, while a run holds MODEL_DIR (``LOCK_FILE``)
+    checkpoints/<step>/{state,data}   written by training/checkpoint.py
+    sharding.txt           the parameter sharding table (partitioning.sharding_text)
+    run.lock               training/run_lock.py, while a run holds MODEL_DIR
     metrics.jsonl, events.out.tfevents.*   training/metrics.py
 
 The record changes only with training that happened: the trainer writes ``model_config.json``,
@@ -32,17 +35,13 @@ and with a warning, from the literal ``DataConfig.*`` bindings of their ``config
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import os
 from typing import Any
 
-from ode_lm import partitioning
 from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
-from ode_lm.training import checkpoint as ckpt_lib
-from ode_lm.training.run_lock import LOCK_FILE
 
 log = logging.getLogger("ode_lm.run_dir")
 
@@ -52,6 +51,10 @@ DATA_CONFIG = "data_config.json"
 FINETUNE = "finetune.json"
 FINETUNE_RESULT = "finetune_result.json"
 METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"
+SHARDING = "sharding.txt"
+LOCK = "run.lock"
+EVENTS_PREFIX = "events.out.tfevents."
 
 _warned_legacy: set[str] = set()  # run dirs whose config.gin fallback was reported
 
@@ -67,15 +70,12 @@ class RunDir:
 
     @property
     def checkpoints(self) -> str:
-        return self.file(ckpt_lib.CHECKPOINT_SUBDIR)
-
-    @property
-    def sharding(self) -> str:
-        return self.file(partitioning.SHARDING_FILE)
+        """``checkpoints/``: one ``<step>/`` directory per checkpoint (orbax's layout)."""
+        return self.file(CHECKPOINTS)
 
     @property
     def lock(self) -> str:
-        return self.file(LOCK_FILE)
+        return self.file(LOCK)
 
     @property
     def metrics(self) -> str:
@@ -86,7 +86,7 @@ class RunDir:
         if not os.path.isdir(self.path):
             return []
         return sorted(self.file(n) for n in os.listdir(self.path)
-                      if n.startswith("events.out.tfevents."))
+                      if n.startswith(EVENTS_PREFIX))
 
     def start_config(self, step: int) -> str:
         """Where a start at ``step`` keeps its operative config: ``config.gin`` for the
@@ -110,6 +110,11 @@ class RunDir:
         with open(self.file(starts[at])) as f:
             return at, f.read()
 
+    def has_checkpoint(self) -> bool:
+        """A step directory under ``checkpoints/`` (complete or not: read without orbax)."""
+        return os.path.isdir(self.checkpoints) and any(
+            n.isdigit() for n in os.listdir(self.checkpoints))
+
     def checkpoint_steps(self) -> list[int]:
         """Complete checkpoint steps, oldest first ([] when there are none)."""
         import orbax.checkpoint as ocp
@@ -120,15 +125,19 @@ class RunDir:
 
     # ------------------------------------------------------------------ writing
     def write_run_files(self, model_config: ModelConfig, data_config: Any,
-                        start_config: tuple[int, str] | None = None) -> None:
+                        start_config: tuple[int, str] | None = None,
+                        sharding: str | None = None) -> None:
         """What the trainer records with a start's first checkpoint (process 0): the model
-        and data the checkpoint was trained with, and ``(step, text)`` of the start's
-        operative config when it is to be kept (a first start, or changed settings)."""
+        and data the checkpoint was trained with, ``(step, text)`` of the start's operative
+        config when it is to be kept (a first start, or changed settings), and the parameter
+        sharding table (``partitioning.sharding_text``)."""
         self.write_model_config(model_config)
         if dataclasses.is_dataclass(data_config):
             self.write_data_config(data_config)
         if start_config is not None:
             _write_text(self.start_config(start_config[0]), start_config[1])
+        if sharding is not None:
+            _write_text(self.file(SHARDING), sharding)
 
     def write_model_config(self, config: ModelConfig) -> None:
         _write_json(self.file(MODEL_CONFIG), dataclasses.asdict(config))
@@ -286,65 +295,3 @@ def _gin_values(text: str) -> dict[str, str]:
         else:
             out[key] = repr(value)
     return out
-
-
-# ------------------------------------------------------------------ the model
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedRun:
-    """A saved run's parameters on a mesh: ``spec`` is the plain model's (LoRA already
-    merged), so ``step.make_eval_step(spec, ...)`` and ``spec.model(params)`` apply."""
-
-    model_dir: str
-    config: ModelConfig
-    step: int
-    spec: Any  # training.state.StateSpec
-    params: Any
-    finetune: dict[str, Any] | None
-
-    def model(self):
-        return self.spec.model(self.params)
-
-
-def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None):
-    """``(model, LoadedRun)``: a saved run's model with its parameters (latest complete
-    checkpoint, or ``step``), LoRA fine-tunes with their update merged into the weights.
-
-    Parameters only (never the optimizer state), from a checkpoint saved on any mesh, onto
-    ``mesh`` (default: one CPU device) under ``rules`` (default: the standard table).
-    Analysis, eval, export, sampling and fine-tuning start here.
-    """
-    import jax
-    import optax
-
-    from ode_lm.models import build_model
-    from ode_lm.training import state as state_lib
-
-    if not os.path.isdir(model_dir):
-        raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
-    run = RunDir(model_dir)
-    config = run.model_config()
-    finetune = run.finetune()
-    if mesh is None:
-        mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.local_devices(backend="cpu")[0]])
-    rules = rules if rules is not None else partitioning.axis_rules()
-    model_fn = functools.partial(build_model, config)
-    spec = state_lib.build_state_spec(model_fn, optax.identity(), mesh, rules)
-    if finetune is None or finetune.get("method") != "lora":
-        params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
-    else:  # the checkpoint holds the wrapped model: restore it wrapped, then merge
-        from flax import nnx
-
-        from ode_lm.lora import lora_model_fn, lora_spec_from_dict, merge_lora
-
-        wrapped = state_lib.build_state_spec(
-            lora_model_fn(config, lora_spec_from_dict(finetune["lora"])), optax.identity(),
-            mesh, rules)
-        lora_params, step = ckpt_lib.restore_params(model_dir, wrapped.abstract_params, step)
-        merged = merge_lora(wrapped.model(lora_params))
-        params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding),
-                              nnx.to_pure_dict(nnx.state(merged, nnx.Param)),
-                              spec.abstract_params)
-    loaded = LoadedRun(model_dir, config, step, spec, params, finetune)
-    return loaded.model(), loaded

@@ -1,8 +1,8 @@
 """One training run per MODEL_DIR, and no half-made MODEL_DIR after a failed start.
 
-``hold(model_dir)`` (the trainer's ``run``) takes ``MODEL_DIR/run.lock`` before anything is
-written there: an exclusive ``flock`` on the file, whose text names the holder (pid, host,
-start time). A second run on the same directory stops at once with one line naming the
+``hold(model_dir)`` (the trainer's ``run``) takes the run lock (``RunDir.lock``) before
+anything is written there: an exclusive ``flock`` on the file, whose text names the holder
+(pid, host, start time). A second run on the same directory stops at once with one line naming the
 holder, and changes nothing there. The kernel drops a ``flock`` when its process dies, so a
 lock file left by a dead run on this host is taken over with a warning; one naming another
 host is refused (its pid cannot be checked from here), with the file to delete if that run
@@ -27,7 +27,8 @@ import socket
 import time
 from collections.abc import Iterator
 
-LOCK_FILE = "run.lock"
+from ode_lm.training.run_dir import RunDir
+
 log = logging.getLogger("ode_lm.train")
 
 
@@ -50,7 +51,8 @@ class RunDirLock:
         run created (only where MODEL_DIR was new or empty; ``quiet``: without a warning,
         when the stop's own line says it, as a second Ctrl-C's does)."""
         try:
-            if failed and (self.created or self.was_empty) and not _has_checkpoint(self.model_dir):
+            new = self.created or self.was_empty
+            if failed and new and not RunDir(self.model_dir).has_checkpoint():
                 _remove_created(self, quiet)
                 return
             with contextlib.suppress(FileNotFoundError):
@@ -69,11 +71,6 @@ def _first_missing(path: str) -> str | None:
             break
         path = parent
     return missing
-
-
-def _has_checkpoint(model_dir: str) -> bool:
-    ckpt = os.path.join(model_dir, "checkpoints")
-    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
 
 
 def _remove_created(lock: RunDirLock, quiet: bool = False) -> None:
@@ -113,7 +110,7 @@ def acquire(model_dir: str) -> RunDirLock:
     """Take MODEL_DIR's run lock (making MODEL_DIR if needed); RunLockedError if held."""
     created = _first_missing(model_dir)
     was_empty = created is None and os.path.isdir(model_dir) and not os.listdir(model_dir)
-    path = os.path.join(model_dir, LOCK_FILE)
+    path = RunDir(model_dir).lock
     try:
         os.makedirs(model_dir, exist_ok=True)
         while True:

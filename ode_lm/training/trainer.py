@@ -326,7 +326,7 @@ class Trainer:
                     reader.push(step, outputs)  # reads the previous step's outputs
                     if self.checkpointer.should_save(step):
                         # the save waits for this step's state anyway: log it first, so a
-                        # crash after the checkpoint leaves no gap in metrics.jsonl
+                        # crash after the checkpoint leaves no gap in the metrics
                         reader.drain(dispatched=step)
                     self._save(step, state, data_iterator)
                     if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.num_train_steps:
@@ -408,9 +408,9 @@ class Trainer:
     def _write_run_files(self) -> None:
         if jax.process_index() != 0:
             return
-        RunDir(self.cfg.model_dir).write_run_files(self.model_config, self.data_config,
-                                                   self._record)
-        partitioning.write_sharding_table(self.cfg.model_dir, self.mesh, self.sharding_table)
+        RunDir(self.cfg.model_dir).write_run_files(
+            self.model_config, self.data_config, self._record,
+            sharding=partitioning.sharding_text(self.mesh, self.sharding_table))
 
 
 def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
