@@ -10,8 +10,9 @@ M ∈ {24, 18, 12, 9}), fully or with LoRA, in one of two modes:
 
 Everything else is the trainer's (data, checkpoints, metrics, resume): this module only
 supplies ``model_fn`` (the LoRA wrapper), ``init_params_fn`` (the pretrained run, materialised
-and wrapped) and ``trainable`` (LoRA factors, plus embeddings if asked). It leaves
-``finetune.json`` in MODEL_DIR so exports rebuild and merge the same model.
+and wrapped), ``trainable`` (LoRA factors, plus embeddings if asked) and the record of what
+the fine-tune was made from (``run_dir.FinetuneRecord``), which the trainer writes with its
+run files, under its run lock, so exports rebuild and merge the same model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from flax import nnx
 from ode_lm.config_types import check_types, register_with_gin
 from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
 from ode_lm.models.config import ModelConfig
-from ode_lm.training.run_dir import RunDir
+from ode_lm.training.run_dir import FinetuneRecord, RunDir
 
 METHODS = ("full", "lora")
 MODES = ("continuous", "materialised")
@@ -190,8 +191,7 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
     print_fn(f"fine-tuning {cfg.pretrained_dir} (step {step}) at M={cfg.num_steps} "
              f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
              f"({100.0 * n_train / n_total:.2f}%)")
-    if jax.process_index() == 0:
-        RunDir(model_dir).write_finetune(finetune_info(cfg, step))
+    info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
     train_config = gin_setup.GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
     step_config = gin_setup.GinStepConfig()
     if cfg.mode == "continuous":
@@ -202,13 +202,10 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
         checkpoint_config=gin_setup.GinCheckpointConfig(), mesh_config=gin_setup.GinMeshConfig(),
         model_fn=model_fn,
         init_params_fn=make_init_params_fn(cfg, model_config, step, train_config.seed),
-        trainable=trainable, operative_config=gin.operative_config_str, print_fn=print_fn,
+        trainable=trainable, operative_config=gin.operative_config_str,
+        finetune=FinetuneRecord(finetune_info(cfg, step), info), print_fn=print_fn,
     )
-    result = trainer.run()
-    info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
-    if jax.process_index() == 0 and not result.nothing_to_train:  # nothing trained: untouched
-        RunDir(model_dir).write_finetune_result({**info, "step": result.step, "eval": result.eval})
-    return result, info
+    return trainer.run(), info
 
 
 DESCRIPTION = (

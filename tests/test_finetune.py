@@ -122,6 +122,27 @@ def test_full_continuous_finetune_at_new_depth(tmp_path, pretrained, corpus, cap
     assert config.architecture == "ode" and config.num_steps == 4
 
 
+@pytest.mark.parametrize("flag,message", [
+    ("--gin.TrainConfig.log_every=0", "TrainConfig.log_every=0: must be >= 1"),  # gin config
+    ("--gin.StepConfig.microbatches=3", "not divisible by batch shards x"),  # the trainer's
+])
+def test_a_finetune_that_fails_before_its_first_step_leaves_model_dir_as_found(
+        tmp_path, pretrained, corpus, capsys, flag, message):
+    """An error found after the command line parsed and the pretrained run was checked
+    (a bad value read when the trainer is built, a setting the trainer refuses) leaves a new
+    MODEL_DIR as it found it: absent stays absent, empty stays empty (no finetune.json)."""
+    absent, empty = tmp_path / "absent", tmp_path / "empty"
+    empty.mkdir()
+    for out in (absent, empty):
+        gin = _gin(tmp_path, pretrained, corpus, str(out))
+        assert ft.main([f"--gin_file={gin}", flag]) == 1
+        captured = capsys.readouterr()
+        assert "fine-tuning" in captured.out  # it got as far as the parameter count
+        assert message in captured.err
+    assert not absent.exists()
+    assert list(empty.iterdir()) == []
+
+
 def test_bad_inputs(tmp_path, pretrained, corpus, capsys):
     def err(**over):
         out = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")

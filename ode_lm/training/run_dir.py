@@ -60,6 +60,16 @@ _warned_legacy: set[str] = set()  # run dirs whose config.gin fallback was repor
 
 
 @dataclasses.dataclass(frozen=True)
+class FinetuneRecord:
+    """What a fine-tune records, through the trainer (under its run lock): ``info``
+    (``finetune.json``: what it was made from) with the run files, and ``counts``
+    (trainable parameters) in ``finetune_result.json`` with the final eval."""
+
+    info: dict[str, Any]
+    counts: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class RunDir:
     """Paths and files of one run directory (reading never writes; writing is atomic)."""
 
@@ -126,12 +136,16 @@ class RunDir:
     # ------------------------------------------------------------------ writing
     def write_run_files(self, model_config: ModelConfig, data_config: Any,
                         start_config: tuple[int, str] | None = None,
-                        sharding: str | None = None) -> None:
-        """What the trainer records with a start's first checkpoint (process 0): the model
-        and data the checkpoint was trained with, ``(step, text)`` of the start's operative
-        config when it is to be kept (a first start, or changed settings), and the parameter
-        sharding table (``partitioning.sharding_text``)."""
+                        sharding: str | None = None,
+                        finetune: dict[str, Any] | None = None) -> None:
+        """What the trainer records with a start's first checkpoint (process 0, holding the
+        run lock): the model and data the checkpoint was trained with, ``(step, text)`` of
+        the start's operative config when it is to be kept (a first start, or changed
+        settings), the parameter sharding table (``partitioning.sharding_text``) and, for a
+        fine-tune, what it was made from (``finetune.json``)."""
         self.write_model_config(model_config)
+        if finetune is not None:
+            _write_json(self.file(FINETUNE), finetune)
         if dataclasses.is_dataclass(data_config):
             self.write_data_config(data_config)
         if start_config is not None:
@@ -144,10 +158,6 @@ class RunDir:
 
     def write_data_config(self, config: Any) -> None:
         _write_json(self.file(DATA_CONFIG), dataclasses.asdict(config))
-
-    def write_finetune(self, info: dict[str, Any]) -> None:
-        os.makedirs(self.path, exist_ok=True)
-        _write_json(self.file(FINETUNE), info)
 
     def write_finetune_result(self, result: dict[str, Any]) -> None:
         _write_json(self.file(FINETUNE_RESULT), result)

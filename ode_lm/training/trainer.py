@@ -33,7 +33,7 @@ from ode_lm.training import step as step_lib
 from ode_lm.training.evaluation import Evaluator, Solve, parse_solve, sweep_solves
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
 from ode_lm.training.preemption import PreemptionWatcher, StopNow
-from ode_lm.training.run_dir import RunDir, config_changes
+from ode_lm.training.run_dir import FinetuneRecord, RunDir, config_changes
 
 log = logging.getLogger("ode_lm.train")
 
@@ -175,6 +175,7 @@ class Trainer:
         init_params_fn: state_lib.InitParamsFn | None = None,
         trainable: state_lib.TrainablePredicate | None = None,
         operative_config: Callable[[], str] | None = None,
+        finetune: FinetuneRecord | None = None,
         print_fn: Callable[[str], None] = print,
     ):
         optimizer_config = optimizer_config or OptimizerConfig()
@@ -191,6 +192,7 @@ class Trainer:
         self.print = print_fn if jax.process_index() == 0 else (lambda _: None)
         self.operative_config = operative_config
         self.init_params_fn = init_params_fn
+        self.finetune = finetune
         # 2. mesh
         self.mesh = partitioning.create_mesh(
             mesh_config.ici_parallelism, mesh_config.dcn_parallelism, devices
@@ -347,6 +349,7 @@ class Trainer:
             else:
                 result.eval = self.evaluate(state["params"], step)
                 self._log_eval(writer, step, result.eval)
+            self._write_result(result)
         except StopNow:
             kept = (f"the latest checkpoint is step {self._saved}" if self._saved is not None
                     else "nothing was saved")
@@ -410,7 +413,15 @@ class Trainer:
             return
         RunDir(self.cfg.model_dir).write_run_files(
             self.model_config, self.data_config, self._record,
-            sharding=partitioning.sharding_text(self.mesh, self.sharding_table))
+            sharding=partitioning.sharding_text(self.mesh, self.sharding_table),
+            finetune=self.finetune.info if self.finetune is not None else None)
+
+    def _write_result(self, result: TrainResult) -> None:
+        """A fine-tune's result (its counts, final step and eval), still under the lock."""
+        if self.finetune is None or jax.process_index() != 0:
+            return
+        RunDir(self.cfg.model_dir).write_finetune_result(
+            {**self.finetune.counts, "step": result.step, "eval": result.eval})
 
 
 def _safe_flops_per_token(config: ModelConfig, num_steps: int | None, seq_len: int,
