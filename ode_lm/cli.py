@@ -143,7 +143,7 @@ def run_command(prog: str, body: Callable[[], int | None], *, verbose: bool = Fa
 
 def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
     """The help of a gin CLI (train, finetune): its flags as argparse shows them. The flags
-    themselves are read by ``training.gin_setup.parse_flags`` (``--gin.NAME=VALUE`` is not a
+    themselves are read by ``gin_setup.parse_flags`` (``--gin.NAME=VALUE`` is not a
     flag argparse can parse)."""
     p = ArgumentParser(prog=prog, description=textwrap.fill(description, 88), epilog=example,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,7 +172,7 @@ def _gin_help(parser: ArgumentParser, argv: list[str], prog: str, verbose: bool)
     if not any(a.startswith("--gin_file") for a in argv):  # no files: no gin (nor jax) import
         print(text, end="")
         return 0
-    from ode_lm.training import gin_setup
+    from ode_lm import gin_setup
 
     flags = gin_setup.parse_flags([a for a in argv if a not in ("-h", "--help")])
     if flags.files:
@@ -207,8 +207,7 @@ def run_gin_cli(
     if any(a in ("-h", "--help") for a in argv):
         parser = gin_parser(prog, description, example)
         return run_command(prog, lambda: _gin_help(parser, argv, prog, verbose), verbose=verbose)
-    from ode_lm import distributed
-    from ode_lm.training import gin_setup
+    from ode_lm import distributed, gin_setup
 
     try:
         flags = gin_setup.parse_flags(argv)
@@ -220,7 +219,7 @@ def run_gin_cli(
         gin_setup.check_cli_macros(flags)
         # Multi-host: joins the job before any JAX computation (auto on TPU pods; explicit
         # via JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID); no-op alone.
-        distributed.initialize()
+        distributed.initialize(config=gin_setup.GinDistributedConfig())
         result = entry()
     except user_errors() as e:
         distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead

@@ -14,8 +14,6 @@ import types
 import typing
 from typing import Any, Union
 
-import gin
-
 _NO_VALUE = object()
 
 
@@ -91,11 +89,3 @@ def check_types(config: Any) -> None:
         if out is not value:
             object.__setattr__(config, field.name, out)
 
-
-def register_with_gin(cls: type) -> Any:
-    """``cls`` as a gin configurable in module ``ode_lm`` (bound as ``ClassName.field``);
-    the existing one when the module is imported again (tests reload modules)."""
-    try:
-        return gin.external_configurable(cls, module="ode_lm")
-    except ValueError:  # already registered
-        return gin.get_configurable(cls.__name__)

@@ -29,8 +29,6 @@ from typing import Any, NoReturn
 
 import jax
 
-from ode_lm.config_types import register_with_gin
-
 log = logging.getLogger(__name__)
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
@@ -65,9 +63,6 @@ class DistributedConfig:
                 f"DistributedConfig.watchdog_poll_seconds={self.watchdog_poll_seconds!r}: "
                 "must be > 0"
             )
-
-
-GinDistributedConfig = register_with_gin(DistributedConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,10 +166,10 @@ def initialize(
     """Join the distributed job (once); call first thing in a CLI, before any jax op.
 
     Explicit settings win; otherwise a TPU pod / Slurm / Open MPI job is auto-detected;
-    otherwise this is a single process and nothing is initialised. ``config`` defaults to
-    the gin-bound ``DistributedConfig`` (the CLIs parse gin first).
+    otherwise this is a single process and nothing is initialised. ``config``: the timeouts
+    (the gin CLIs hand the gin-bound one, ``gin_setup.GinDistributedConfig()``).
     """
-    config = config or GinDistributedConfig()
+    config = config or DistributedConfig()
     if cpu_collectives not in CPU_COLLECTIVES:
         raise ValueError(
             f"distributed: cpu_collectives={cpu_collectives!r}: expected one of {CPU_COLLECTIVES}"

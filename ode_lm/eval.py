@@ -69,10 +69,11 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     (``training.evaluation.metric_suffix``: no suffix at the model's own solver and N,
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
     adaptive)."""
+    from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_run
 
     check_solver_flags(solver, rtol, atol)
-    run = load_run(model_dir, step)
+    run = load_run(model_dir, step, read_run=run_dir)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
     return {"step": float(run.step), **sweep}
 
@@ -80,13 +81,14 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
 def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[str, float]:
     """``--lm_eval_tasks`` on the checkpoint at each N through ``harness.adapter.OdeLM``."""
     from ode_lm.data.tokenizers import get_tokenizer
+    from ode_lm.gin_setup import run_dir
     from ode_lm.harness import run as harness
     from ode_lm.training.saved_run import load_run
 
     check_solver_flags(args.solver, args.rtol, args.atol)
     tasks = harness.parse_tasks(args.lm_eval_tasks)
     harness.task_manager(tasks, args.lm_eval_include_path)  # bad tasks/paths before the restore
-    run = load_run(args.model_dir, args.step)
+    run = load_run(args.model_dir, args.step, read_run=run_dir)
     tokenizer = get_tokenizer(run.data_config.tokenizer, run.data_config.data_dir)
     return {"step": float(run.step), **harness.evaluate_model(
         run.model(), tokenizer, tasks, num_steps=steps, solver=args.solver, rtol=args.rtol,

@@ -1,4 +1,4 @@
-"""Adaptive-depth fine-tuning: ``python -m ode_lm.finetune --gin_file=configs/finetune/X.gin``.
+"""Adaptive-depth fine-tuning (``ode-lm finetune --gin_file=configs/finetune/X.gin``).
 
 A DiffEqFormer pretrained with N steps is fine-tuned as an M-step model (the paper: N = 18,
 M ∈ {24, 18, 12, 9}), fully or with LoRA, in one of two modes:
@@ -19,18 +19,29 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Callable
 from typing import Any
 
-import gin
 import jax
 import numpy as np
 from flax import nnx
 
-from ode_lm.config_types import check_types, register_with_gin
+from ode_lm.config_types import check_types
 from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
 from ode_lm.models.config import ModelConfig
+from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import FinetuneRecord, RunDir
+from ode_lm.training.step import StepConfig
+from ode_lm.training.trainer import (
+    ConfigRecord,
+    MeshConfig,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    default_model_fn,
+    prepare_data_once,
+)
 
 METHODS = ("full", "lora")
 MODES = ("continuous", "materialised")
@@ -90,14 +101,14 @@ def check_pretrained(cfg: FinetuneConfig) -> tuple[ModelConfig, int]:
     return config, step
 
 
-def check_tokenizer_match(pretrained_dir: str, data_config: Any, model: ModelConfig) -> None:
+def check_tokenizer_match(pretrained: RunDir, data_config: Any, model: ModelConfig) -> None:
     """The fine-tuning data must be tokenized exactly like the pretraining data (prepared
     here if needed: by process 0 first on a multi-host job, so hosts never race on it)."""
     from ode_lm import data as data_lib
-    from ode_lm.training.trainer import prepare_data_once
 
     ft = prepare_data_once(data_config)
-    pre_dir = RunDir(pretrained_dir).data_dir()
+    pretrained_dir = pretrained.path
+    pre_dir = pretrained.data_dir()
     if pre_dir and os.path.exists(os.path.join(pre_dir, "manifest.json")):
         pre = data_lib.load_manifest(pre_dir)
         a, b = pre["tokenizer"], ft["tokenizer"]
@@ -125,8 +136,6 @@ def finetune_model_config(pretrained: ModelConfig, cfg: FinetuneConfig) -> Model
 def make_model_fn(model_config: ModelConfig, cfg: FinetuneConfig):
     if cfg.method == "lora":
         return lora_model_fn(model_config, cfg.lora)
-    from ode_lm.training.trainer import default_model_fn
-
     return default_model_fn(model_config)
 
 
@@ -169,20 +178,19 @@ def finetune_info(cfg: FinetuneConfig, step: int) -> dict[str, Any]:
 # ------------------------------------------------------------------------------ entry
 
 
-GinFinetuneConfig = register_with_gin(FinetuneConfig)
-
-
-@gin.configurable("finetune", module="ode_lm")
-def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUIRED,
-                 data: Any = gin.REQUIRED, print_fn=print):
-    """Build the fine-tuning Trainer from gin and run it; returns (TrainResult, info dict)."""
-    from ode_lm.training import gin_setup
-    from ode_lm.training.trainer import Trainer
-
-    gin_setup.check_one_binding("finetune")
-    cfg = GinFinetuneConfig()
+def run_finetune(cfg: FinetuneConfig, data: Any, train_config: TrainConfig, *,
+                 optimizer_config: OptimizerConfig | None = None,
+                 step_config: StepConfig | None = None,
+                 checkpoint_config: CheckpointConfig | None = None,
+                 mesh_config: MeshConfig | None = None,
+                 config_record: ConfigRecord | None = None,
+                 read_run: Callable[[str], RunDir] = RunDir,
+                 print_fn: Callable[[str], None] = print) -> tuple[TrainResult, dict[str, Any]]:
+    """Build the fine-tuning Trainer and run it; returns (TrainResult, trainable counts).
+    ``read_run``: how the pretrained run's directory is read (the gin layer's reads the
+    data settings of runs from before ``data_config.json``)."""
     pretrained, step = check_pretrained(cfg)
-    check_tokenizer_match(cfg.pretrained_dir, data, pretrained)
+    check_tokenizer_match(read_run(cfg.pretrained_dir), data, pretrained)
     model_config = finetune_model_config(pretrained, cfg)
     model_fn = make_model_fn(model_config, cfg)  # LoRA targets are checked right here:
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
@@ -192,49 +200,15 @@ def run_finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUI
              f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
              f"({100.0 * n_train / n_total:.2f}%)")
     info = {"trainable": n_train, "total": n_total, "fraction": n_train / n_total}
-    train_config = gin_setup.GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
-    step_config = gin_setup.GinStepConfig()
+    step_config = step_config or StepConfig()
     if cfg.mode == "continuous":
         step_config = dataclasses.replace(step_config, num_steps=cfg.num_steps)
     trainer = Trainer(
         model_config=model_config, data_config=data, train_config=train_config,
-        optimizer_config=gin_setup.GinOptimizerConfig(), step_config=step_config,
-        checkpoint_config=gin_setup.GinCheckpointConfig(), mesh_config=gin_setup.GinMeshConfig(),
-        model_fn=model_fn,
+        optimizer_config=optimizer_config, step_config=step_config,
+        checkpoint_config=checkpoint_config, mesh_config=mesh_config, model_fn=model_fn,
         init_params_fn=make_init_params_fn(cfg, model_config, step, train_config.seed),
-        trainable=trainable, operative_config=gin.operative_config_str,
+        trainable=trainable, config_record=config_record,
         finetune=FinetuneRecord(finetune_info(cfg, step), info), print_fn=print_fn,
     )
     return trainer.run(), info
-
-
-DESCRIPTION = (
-    "Fine-tune a pretrained run at another depth M (FINETUNE_STEPS), fully or with LoRA "
-    "(METHOD), as a continuous ODE or materialised into M layers (FinetuneConfig.mode); "
-    "the pretrained run is PRETRAINED_DIR, the new one MODEL_DIR."
-)
-EXAMPLE = """examples:
-  ode-lm finetune --gin_file=configs/finetune/demo.gin --gin.PRETRAINED_DIR=/tmp/run \\
-      --gin.MODEL_DIR=/tmp/ft --gin.FINETUNE_STEPS=6 --gin.METHOD=lora
-  ode-lm finetune --gin_file=configs/finetune/demo.gin --help    # also lists its macros"""
-
-
-def _report(outcome) -> int:
-    result, _ = outcome
-    for k, v in result.eval.items():
-        print(f"{k}: {v:.4f}")
-    return 130 if result.stopped_by == "Ctrl-C" else 0
-
-
-def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-finetune") -> int:
-    """Same runner as ode_lm.train: gin checks, then the multi-host join, then the run."""
-    from ode_lm.cli import run_gin_cli
-
-    return run_gin_cli(argv, prog=prog, entry=run_finetune, report=_report,
-                       description=DESCRIPTION, example=EXAMPLE, require_files=True)
-
-
-if __name__ == "__main__":
-    from ode_lm.cli import main_exit
-
-    main_exit(main)

@@ -40,9 +40,9 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-sample") -> argparse.Nam
 def load_tokenizer(model_dir: str, data_dir: str | None):
     from ode_lm.data import load_manifest
     from ode_lm.data.tokenizers import get_tokenizer
-    from ode_lm.training.run_dir import RunDir
+    from ode_lm.gin_setup import run_dir
 
-    data_dir = data_dir or RunDir(model_dir).data_dir()
+    data_dir = data_dir or run_dir(model_dir).data_dir()
     if not data_dir or not os.path.exists(os.path.join(data_dir, "manifest.json")):
         raise FileNotFoundError(f"no prepared data (manifest.json) for {model_dir}; "
                                 "pass --data_dir=DIR to name the tokenizer's data")

@@ -1,7 +1,7 @@
 """``ode-lm train --gin_file=configs/runs/demo.gin [--gin.NAME=VALUE ...]``
 (also ``python -m ode_lm.train``, ``ode-lm-train``).
 
-Thin CLI: flags → gin → :func:`ode_lm.training.gin_setup.train`. User errors print one line
+Thin CLI: flags → gin → :func:`ode_lm.gin_setup.train`. User errors print one line
 and exit 2 (a command line that does not parse) or 1 (bad gin value, bad mesh, bad MODEL_DIR,
 incompatible checkpoint ...). Ctrl-C: the first saves at the next step boundary (``stopped by
 Ctrl-C after step k; checkpoint saved``), a second stops at once (one line on stderr, no
@@ -49,7 +49,7 @@ def report(result) -> int:
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-train") -> int:
     def entry():
-        from ode_lm.training import gin_setup  # imported once the flags parse (not for --help)
+        from ode_lm import gin_setup  # imported once the flags parse (not for --help)
 
         return gin_setup.train()
 

@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from ode_lm import partitioning
+from ode_lm.gin_setup import GinRecord
 from ode_lm.models import ModelConfig, build_model, solvers
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
@@ -178,13 +179,23 @@ def tiny_trained(tmp_path_factory):
     result = Trainer(
         model_config=cfg, data_config=data, train_config=train,
         step_config=step_lib.StepConfig(num_steps_choices=(2, 3), kinetic_energy_weight=0.5),
-        devices=jax.devices()[:1], operative_config=lambda: _operative_gin(data)).run()
+        devices=jax.devices()[:1], config_record=_Record(_operative_gin(data))).run()
     return model_dir, result
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tiny_trained):
     return tiny_trained[0]
+
+
+class _Record(GinRecord):
+    """A fixed operative config (what the gin CLI hands the trainer)."""
+
+    def __init__(self, text: str):
+        self._text = text
+
+    def text(self) -> str:
+        return self._text
 
 
 def _operative_gin(data) -> str:

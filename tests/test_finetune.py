@@ -10,7 +10,7 @@ import pytest
 from data_helpers import FINETUNE_DATA_GIN
 from export_helpers import make_run, tiny_config
 
-from ode_lm import finetune as ft
+from ode_lm.commands import finetune as ft
 from ode_lm.data import DataConfig, ensure_prepared
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.saved_run import load_model

@@ -80,10 +80,12 @@ def test_bad_distributed_config(field, value):
 def test_distributed_config_is_gin_bindable():
     import gin
 
+    from ode_lm import gin_setup
+
     with gin.unlock_config():
         gin.parse_config("DistributedConfig.heartbeat_timeout_seconds = 12")
     try:
-        assert distributed.GinDistributedConfig().heartbeat_timeout_seconds == 12
+        assert gin_setup.GinDistributedConfig().heartbeat_timeout_seconds == 12
     finally:
         gin.clear_config()
 

@@ -305,7 +305,7 @@ MeshConfig.ici_parallelism = (-1, 1, 1)
 
 @pytest.mark.slow
 def test_two_process_finetune_joins_one_job_and_its_checkpoint_evaluates_alike(tmp_path):
-    """``python -m ode_lm.finetune`` as a 2-process job (2 x 4 CPU devices) on data neither
+    """``python -m ode_lm.commands.finetune`` as a 2-process job (2 x 4 CPU devices) on data neither
     has prepared: process 0 prepares it behind the barrier, the two join one 8-device mesh
     and fine-tune a pretrained N=2 run at M=3; one process evaluating the saved checkpoint
     on its own 8 devices reproduces the job's final eval."""
@@ -320,7 +320,7 @@ def test_two_process_finetune_joins_one_job_and_its_checkpoint_evaluates_alike(t
     gin_file = tmp_path / "ft.gin"
     gin_file.write_text(FINETUNE_GIN.format(model_dir=model_dir, pretrained=pretrained,
                                             corpus=corpus, data_dir=tmp_path / "data"))
-    results = spawn([sys.executable, "-m", "ode_lm.finetune", f"--gin_file={gin_file}"],
+    results = spawn([sys.executable, "-m", "ode_lm.commands.finetune", f"--gin_file={gin_file}"],
                     2, 4, free_port(), cwd=str(tmp_path), timeout=600)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]

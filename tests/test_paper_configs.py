@@ -11,7 +11,7 @@ from pathlib import Path
 import gin
 import pytest
 
-from ode_lm.training import gin_setup
+from ode_lm import gin_setup
 
 PAPER = Path(__file__).resolve().parents[1] / "configs" / "runs" / "paper"
 
@@ -124,13 +124,11 @@ def test_weight_decay_masks_follow_train_lm():
 
 @pytest.mark.parametrize("gin_file", ["finetune/paper_owt_wiki.gin", "finetune/paper_wiki_owt.gin"])
 def test_paper_finetune_runs(gin_file):
-    from ode_lm.finetune import GinFinetuneConfig
-
     flags = gin_setup.parse_flags([f"--gin_file={gin_file}", "--gin.METHOD='lora'",
                                    "--gin.FINETUNE_STEPS=12"])
     try:
         gin_setup.parse_gin(flags)
-        ft, opt = GinFinetuneConfig(), gin_setup.GinOptimizerConfig()
+        ft, opt = gin_setup.GinFinetuneConfig(), gin_setup.GinOptimizerConfig()
         data = gin_setup.GinDataConfig()
     finally:
         gin.clear_config()

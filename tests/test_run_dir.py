@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from ode_lm import gin_setup
 from ode_lm.data import DataConfig
 from ode_lm.training import run_dir as run_dir_lib
 from ode_lm.training import saved_run
@@ -55,7 +56,8 @@ def test_old_run_without_data_config_reads_config_gin_once(tmp_path, caplog):
     (tmp_path / "config.gin").write_text(OLD_CONFIG_GIN)
     before = sorted(os.listdir(tmp_path))
     run_dir_lib._warned_legacy.discard(str(tmp_path))
-    run = RunDir(str(tmp_path))
+    assert RunDir(str(tmp_path)).data_config() is None  # no gin reader handed in
+    run = gin_setup.run_dir(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="ode_lm.run_dir"):
         first, second = run.data_config(), run.data_config()
     assert first == second == DataConfig(data_dir="/data/old_run", seq_len=48,
@@ -66,7 +68,7 @@ def test_old_run_without_data_config_reads_config_gin_once(tmp_path, caplog):
 
 
 def test_a_dir_without_run_facts(tmp_path):
-    run = RunDir(str(tmp_path))
+    run = gin_setup.run_dir(str(tmp_path))
     assert run.data_config() is None and run.data_dir() is None and run.finetune() is None
     (tmp_path / "config.gin").write_text("ModelConfig.d_model = 32\n")  # no DataConfig
     assert run.data_config() is None

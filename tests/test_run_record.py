@@ -335,7 +335,7 @@ def test_trim_after_drops_rows_and_events_past_the_step(tmp_path):
 
 
 def test_config_changes_name_each_binding():
-    from ode_lm.training.run_dir import config_changes
+    from ode_lm.gin_setup import config_changes
 
     old = "ODE_STEPS = 4\nModelConfig.num_steps = %ODE_STEPS\nOptimizerConfig.lr = 0.001\n"
     new = "ODE_STEPS = 8\nModelConfig.num_steps = %ODE_STEPS\nOptimizerConfig.lr = 0.001\n"

@@ -140,14 +140,16 @@ def test_old_run_without_data_config_loads_through_its_config_gin(reference, tmp
     and gives the same DataConfig, so eval sees the same data."""
     import shutil
 
+    from ode_lm.gin_setup import run_dir
     from ode_lm.training.run_dir import RunDir
     from ode_lm.training.saved_run import load_run
 
     old = tmp_path / "old"
     shutil.copytree(reference, old)
     (old / "data_config.json").unlink()
-    assert RunDir(str(old)).data_config() == RunDir(str(reference)).data_config()
-    run = load_run(str(old))
+    assert RunDir(str(old)).data_config() is None  # the gin layer's reader reads config.gin
+    assert run_dir(str(old)).data_config() == RunDir(str(reference)).data_config()
+    run = load_run(str(old), read_run=run_dir)
     assert run.data_config == RunDir(str(reference)).data_config() and run.step == 2 * K
 
 

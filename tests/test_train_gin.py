@@ -3,7 +3,7 @@
 import gin
 import pytest
 
-from ode_lm.training import gin_setup
+from ode_lm import gin_setup
 
 
 def test_parse_flags_collects_files_bindings_and_search_paths():

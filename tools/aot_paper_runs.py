@@ -35,14 +35,14 @@ def paper_runs() -> list[str]:
 
 def compile_run(run: str, topology: str, small: str | None) -> tuple[dict, aot_compile.Report]:
     """The train step of ``run`` on ``topology``, or on ``small`` at the same per-chip batch."""
-    import gin
+    from ode_lm import gin_setup
 
     if run not in paper_runs():
         raise ValueError(f"{run!r}: not a paper run ({', '.join(paper_runs())})")
     try:
         cfg = aot_compile.load_gin([f"runs/paper/{run}.gin"], [])
     finally:
-        gin.clear_config()
+        gin_setup.clear()
     intended = aot_compile.parse_topology(topology)
     batch = cfg["data"].global_batch_size
     if batch % intended.num_chips:

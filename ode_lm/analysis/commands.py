@@ -25,9 +25,9 @@ def resolve_tokenizer(model_dir: str, data_dir: str | None = None,
     dir, else the run's DataConfig.tokenizer (``training.run_dir``)."""
     from ode_lm.data.prepare import load_manifest
     from ode_lm.data.tokenizers import get_tokenizer
-    from ode_lm.training.run_dir import RunDir
+    from ode_lm.gin_setup import run_dir
 
-    run_data = RunDir(model_dir).data_config() if tokenizer is None or data_dir is None else None
+    run_data = run_dir(model_dir).data_config() if tokenizer is None or data_dir is None else None
     if data_dir is None and run_data is not None:
         data_dir = run_data.data_dir
     if tokenizer is None and data_dir is not None:

@@ -13,8 +13,6 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from gin import config_parser
-
 from ode_lm.models.config import ModelConfig
 
 MODELS_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs" / "models"
@@ -57,36 +55,11 @@ class BenchConfig:
         return self.batch_size * self.seq_len
 
 
-class _Reader(config_parser.ParserDelegate):
-    """Resolves ``%MACRO`` from the macros defined earlier in the same file."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-        self.macros: dict[str, Any] = {}
-
-    def configurable_reference(self, scoped_name: str, evaluate: bool) -> str:
-        return f"@{scoped_name}"
-
-    def macro(self, macro_name: str) -> Any:
-        if macro_name not in self.macros:
-            raise ValueError(f"{self.path}: macro %{macro_name} is used before it is defined")
-        return self.macros[macro_name]
-
-
 def read_model_gin(path: str | pathlib.Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(macros, ``ModelConfig`` bindings) of one model gin file, macros resolved."""
-    path = pathlib.Path(path)
-    reader = _Reader(path)
-    bindings: dict[str, Any] = {}
-    for stmt in config_parser.ConfigParser(path.read_text(), reader):
-        if not isinstance(stmt, config_parser.BindingStatement):
-            continue
-        if not stmt.scope and not stmt.arg_name:  # NAME = value: a macro
-            reader.macros[stmt.selector] = stmt.value
-        elif stmt.selector == "ModelConfig" and not stmt.scope:
-            value = stmt.value
-            bindings[stmt.arg_name] = tuple(value) if isinstance(value, list) else value
-    return reader.macros, bindings
+    from ode_lm.gin_setup import model_file_bindings
+
+    return model_file_bindings(pathlib.Path(path))
 
 
 def load_preset(name: str, models_dir: str | pathlib.Path = MODELS_DIR) -> BenchConfig:

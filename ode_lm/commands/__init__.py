@@ -21,8 +21,8 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command("ode_lm.train", "pretrain a model from gin configs (resumes MODEL_DIR)",
                      multi_host=True),
-    "finetune": Command("ode_lm.finetune", "fine-tune a pretrained run at another depth M, "
-                        "fully or with LoRA", multi_host=True),
+    "finetune": Command("ode_lm.commands.finetune", "fine-tune a pretrained run at another "
+                        "depth M, fully or with LoRA", multi_host=True),
     "eval": Command("ode_lm.eval", "loss and perplexity of a saved run at any steps/solver, "
                     "or lm-eval tasks"),
     "sample": Command("ode_lm.sample", "generate text from a saved run (KV-cached ODE solve)"),

@@ -81,9 +81,7 @@ class Report:
 
 def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
     """The run's configs, exactly as ``python -m ode_lm.train`` would parse them."""
-    import gin
-
-    from ode_lm.training import gin_setup
+    from ode_lm import gin_setup
 
     flags = gin_setup.parse_flags([*(f"--gin_file={f}" for f in gin_files), *bindings])
     if flags.rest:
@@ -91,7 +89,7 @@ def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
     gin_setup.parse_gin(flags)
     gin_setup.check_cli_macros(flags)
     try:
-        num_train_steps = int(gin.query_parameter("train.num_train_steps"))
+        num_train_steps = int(gin_setup.query("train.num_train_steps"))
     except (ValueError, TypeError):
         num_train_steps = 1000  # only shapes the LR schedule, which does not change the program
     return dict(model=gin_setup.GinModelConfig(), data=gin_setup.GinDataConfig(),

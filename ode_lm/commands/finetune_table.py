@@ -87,8 +87,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm finetune-table")
 
 def run(args: argparse.Namespace) -> int:
 
-    from ode_lm import finetune as ft
-    from ode_lm.training import gin_setup
+    from ode_lm import gin_setup
     from ode_lm.training.run_dir import RunDir
     from ode_lm.training.saved_run import load_model
 
@@ -124,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             if saved is not None:
                 after, frac = saved["eval"]["eval/perplexity"], saved["fraction"]
             else:
-                result, info = ft.run_finetune()
+                result, info = gin_setup.finetune()
                 after, frac = result.eval["eval/perplexity"], info["fraction"]
             rows.append((m, method, 100 * frac, before, after))
     print(f"\n(total {time.time() - t0:.0f}s)\n")

@@ -33,8 +33,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from gin import config_parser
-
 from ode_lm import cli
 
 REPO = pathlib.Path(__file__).resolve().parents[2]  # the checkout: configs/, launch/
@@ -93,24 +91,13 @@ def gin_literal(value: Any) -> str:
     return repr(tuple(value) if isinstance(value, list) else value)
 
 
-class _LiteralsOnly(config_parser.ParserDelegate):
-    """Sweep files hold plain values: configurable references and macros are errors."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def configurable_reference(self, scoped_name, evaluate):
-        raise ValueError(f"{self.path}: @{scoped_name} not allowed in a sweep file (literals only)")
-
-    def macro(self, macro_name):
-        raise ValueError(f"{self.path}: %{macro_name} not allowed in a sweep file (literals only)")
-
-
 SWEEP_FIELDS = {f.name for f in dataclasses.fields(SweepSpec)}
 
 
 def parse_sweep(path: str | os.PathLike, overrides: Sequence[str] = ()) -> SweepSpec:
     """Read ``Sweep.*`` bindings from a sweep file, then ``Sweep.x=y`` overrides."""
+    from ode_lm.gin_setup import literal_statements
+
     path = str(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"sweep file {path!r} not found")
@@ -118,15 +105,16 @@ def parse_sweep(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Sweep
     sources = [(path, open(path).read())]
     sources += [(f"override {o!r}", o.removeprefix("--gin.")) for o in overrides]
     for where, text in sources:
-        for stmt in config_parser.ConfigParser(text, _LiteralsOnly(where)):
-            if not isinstance(stmt, config_parser.BindingStatement) or stmt.selector != "Sweep":
+        for stmt in literal_statements(text, where):
+            if stmt is None or stmt[0] != "Sweep":
                 raise ValueError(f"{where}: only 'Sweep.<field> = <value>' lines are allowed")
-            if stmt.arg_name not in SWEEP_FIELDS:
+            _, field, value = stmt
+            if field not in SWEEP_FIELDS:
                 raise ValueError(
-                    f"{where}: unknown field Sweep.{stmt.arg_name}; "
+                    f"{where}: unknown field Sweep.{field}; "
                     f"expected one of {sorted(SWEEP_FIELDS)}"
                 )
-            values[stmt.arg_name] = stmt.value
+            values[field] = value
     for required in ("name", "gin_files", "widths", "num_steps"):
         if required not in values:
             raise ValueError(f"{path}: Sweep.{required} is required")

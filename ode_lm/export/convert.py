@@ -122,12 +122,12 @@ def export(
 ) -> ExportResult:
     """``weights_only``: export without the run's tokenizer (no tokenizer files, no special
     token ids); otherwise a missing data dir is refused before anything is written."""
-    from ode_lm.training.run_dir import RunDir
+    from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_model
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
-    run = RunDir(model_dir)
+    run = run_dir(model_dir)
     config = run.model_config()
     check_request(fmt, config.flavour, config.architecture, num_steps, dtype)
     if fmt != "raw" and config.architecture == "sequential":

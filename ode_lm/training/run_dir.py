@@ -27,9 +27,9 @@ the checkpoint it resumed from (``metrics.trim_after``), so metrics.jsonl and Te
 one timeline. A start with nothing to train writes nothing.
 
 Runs from before ``data_config.json`` existed still load: their data settings are read, once
-and with a warning, from the literal ``DataConfig.*`` bindings of their ``config.gin``
-(gin's own parser, nothing registered or bound). That fallback is the only reader of
-``config.gin``.
+and with a warning, from the literal ``DataConfig.*`` bindings of their ``config.gin``, by
+the reader the gin layer hands in (``RunDir(path, legacy_bindings=...)``, built by
+``gin_setup.run_dir``). That fallback is the only reader of ``config.gin``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ode_lm.data.config import DataConfig
@@ -71,9 +72,13 @@ class FinetuneRecord:
 
 @dataclasses.dataclass(frozen=True)
 class RunDir:
-    """Paths and files of one run directory (reading never writes; writing is atomic)."""
+    """Paths and files of one run directory (reading never writes; writing is atomic).
+    ``legacy_bindings``: gin text → its literal ``DataConfig.*`` values, for runs from before
+    ``data_config.json`` (None: such a run records no data)."""
 
     path: str
+    legacy_bindings: Callable[[str], dict[str, Any]] | None = dataclasses.field(
+        default=None, compare=False, repr=False)
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -202,10 +207,10 @@ class RunDir:
     def _legacy_data_values(self) -> dict[str, Any] | None:
         """Literal ``DataConfig.*`` bindings of an old run's ``config.gin`` (macros followed)."""
         path = self.file(CONFIG_GIN)
-        if not os.path.exists(path):
+        if self.legacy_bindings is None or not os.path.exists(path):
             return None
         with open(path) as f:
-            values = _gin_literal_bindings(f.read(), "DataConfig")
+            values = self.legacy_bindings(f.read())
         if not values:
             return None
         if self.path not in _warned_legacy:
@@ -234,74 +239,3 @@ def _read_json(path: str) -> Any:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from None
-
-
-class _Reference:
-    def __init__(self, name: str, macro: bool):
-        self.name, self.macro = name, macro
-
-
-class _Literals:
-    """gin parser delegate: keep macro names (to follow), mark configurable references."""
-
-    def configurable_reference(self, scoped_name, evaluate):
-        return _Reference(scoped_name, macro=False)
-
-    def macro(self, macro_name):
-        return _Reference(macro_name, macro=True)
-
-
-def _gin_literal_bindings(text: str, selector: str) -> dict[str, Any]:
-    """``{arg: value}`` for the unscoped ``selector.arg = literal`` lines of a gin text,
-    ``%MACRO`` values resolved through the text's macro lines; references are dropped."""
-    from gin import config_parser
-
-    bindings, macros = {}, {}
-    for stmt in config_parser.ConfigParser(text, _Literals()):
-        if not isinstance(stmt, config_parser.BindingStatement) or stmt.scope:
-            continue
-        if stmt.arg_name == "":  # NAME = value: a macro
-            macros[stmt.selector] = stmt.value
-        elif stmt.selector.split(".")[-1] == selector:
-            bindings[stmt.arg_name] = stmt.value
-    out = {}
-    for name, value in bindings.items():
-        for _ in range(8):
-            if not (isinstance(value, _Reference) and value.macro):
-                break
-            value = macros.get(value.name)
-        if not isinstance(value, _Reference):
-            out[name] = value
-    return out
-
-
-def config_changes(old: str, new: str, limit: int = 6, *, model_dir: str | None = None
-                   ) -> list[str]:
-    """``NAME old → new`` for each binding or macro that differs between two operative gin
-    configs (gin's parser, nothing bound); at most ``limit`` entries, then ``+k more``.
-    A binding whose new value is ``model_dir`` is where the run lives (a moved or copied
-    run), not how it trains: not a change."""
-    a, b = _gin_values(old), _gin_values(new)
-    here = repr(model_dir) if model_dir is not None else None
-    changes = [f"{k} {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
-               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and b.get(k) != here]
-    if len(changes) > limit:
-        changes = [*changes[:limit], f"+{len(changes) - limit} more"]
-    return changes
-
-
-def _gin_values(text: str) -> dict[str, str]:
-    from gin import config_parser
-
-    out = {}
-    for stmt in config_parser.ConfigParser(text, _Literals()):
-        if not isinstance(stmt, config_parser.BindingStatement):
-            continue
-        key = stmt.selector if stmt.arg_name == "" else f"{stmt.selector}.{stmt.arg_name}"
-        key = f"{stmt.scope}/{key}" if stmt.scope else key
-        value = stmt.value
-        if isinstance(value, _Reference):
-            out[key] = ("%" if value.macro else "@") + value.name
-        else:
-            out[key] = repr(value)
-    return out

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from ode_lm import partitioning
@@ -66,12 +67,15 @@ class LoadedRun:
         return self.evaluator(split).result(self.params, num_steps, solver, rtol=rtol, atol=atol)
 
 
-def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None):
+def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None,
+               read_run: Callable[[str], RunDir] = RunDir):
     """``(model, LoadedRun)``: a saved run's model with its parameters (latest complete
     checkpoint, or ``step``), LoRA fine-tunes with their update merged into the weights.
 
     Parameters only (never the optimizer state), from a checkpoint saved on any mesh, onto
     ``mesh`` (default: one CPU device) under ``rules`` (default: the standard table).
+    ``read_run``: how the run directory is read (``gin_setup.run_dir`` also reads the data
+    settings of runs from before ``data_config.json``).
     """
     import jax
     import optax
@@ -81,7 +85,7 @@ def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None
 
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
-    run = RunDir(model_dir)
+    run = read_run(model_dir)
     config = run.model_config()
     finetune = run.finetune()
     if mesh is None:
@@ -109,14 +113,16 @@ def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None
     return loaded.model(), loaded
 
 
-def load_run(model_dir: str, step: int | None = None) -> LoadedRun:
+def load_run(model_dir: str, step: int | None = None, *,
+             read_run: Callable[[str], RunDir] = RunDir) -> LoadedRun:
     """A run to evaluate: its parameters on all local devices (batch-sharded), and its data
     config, which must exist."""
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
-    if RunDir(model_dir).data_config() is None:
+    if read_run(model_dir).data_config() is None:
         raise FileNotFoundError(f"--model_dir={model_dir}: no {DATA_CONFIG} naming the "
                                 "run's data: is it a training run?")
     mesh = partitioning.create_mesh((1, -1, 1))
-    _, run = load_model(model_dir, step, mesh=mesh, rules=partitioning.axis_rules())
+    _, run = load_model(model_dir, step, mesh=mesh, rules=partitioning.axis_rules(),
+                        read_run=read_run)
     return run

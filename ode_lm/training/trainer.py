@@ -16,9 +16,8 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
-import gin
 import jax
 
 from ode_lm import partitioning
@@ -33,7 +32,7 @@ from ode_lm.training import step as step_lib
 from ode_lm.training.evaluation import Evaluator, Solve, parse_solve, sweep_solves
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
 from ode_lm.training.preemption import PreemptionWatcher, StopNow
-from ode_lm.training.run_dir import FinetuneRecord, RunDir, config_changes
+from ode_lm.training.run_dir import FinetuneRecord, RunDir
 
 log = logging.getLogger("ode_lm.train")
 
@@ -155,6 +154,17 @@ def flops_per_token(
     return float(counts.training)
 
 
+class ConfigRecord(Protocol):
+    """The run's operative config, from the config layer (gin: ``gin_setup.GinRecord``):
+    kept with the start's first checkpoint, shown in TensorBoard, compared on resume."""
+
+    def text(self) -> str: ...
+
+    def markdown(self, text: str) -> str: ...
+
+    def changes(self, old: str, new: str, model_dir: str | None = None) -> list[str]: ...
+
+
 class Trainer:
     """Wires the pieces together. Build it, call ``run()``."""
 
@@ -174,7 +184,7 @@ class Trainer:
         model_fn: state_lib.ModelFn | None = None,
         init_params_fn: state_lib.InitParamsFn | None = None,
         trainable: state_lib.TrainablePredicate | None = None,
-        operative_config: Callable[[], str] | None = None,
+        config_record: ConfigRecord | None = None,
         finetune: FinetuneRecord | None = None,
         print_fn: Callable[[str], None] = print,
     ):
@@ -190,7 +200,7 @@ class Trainer:
         self.cfg = train_config
         self.step_config = step_config
         self.print = print_fn if jax.process_index() == 0 else (lambda _: None)
-        self.operative_config = operative_config
+        self.config_record = config_record
         self.init_params_fn = init_params_fn
         self.finetune = finetune
         # 2. mesh
@@ -295,8 +305,9 @@ class Trainer:
         self._recorded = False
         self._trim_metrics(start)
         writer = metrics_lib.create_writer(cfg.model_dir)
-        if self.operative_config is not None:
-            writer.write_texts(start, {"config": gin.markdown(self.operative_config())})
+        if self.config_record is not None:
+            record = self.config_record
+            writer.write_texts(start, {"config": record.markdown(record.text())})
         num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_params))
         self.print(
             f"{'resumed from' if resumed else 'initialised at'} step {start} | mesh "
@@ -373,15 +384,15 @@ class Trainer:
         """(start, operative config) when this start's config is to be kept: a first start,
         or a resume whose settings differ from those the checkpoint was trained with (said
         in one line); None otherwise. Written with this start's first checkpoint."""
-        if self.operative_config is None or jax.process_index() != 0:
+        if self.config_record is None or jax.process_index() != 0:
             return None
-        text = self.operative_config()
+        text = self.config_record.text()
         if not resumed:
             return 0, text
         previous = RunDir(self.cfg.model_dir).config_at(start)
         if previous is None:
             return start, text
-        changes = config_changes(previous[1], text, model_dir=self.cfg.model_dir)
+        changes = self.config_record.changes(previous[1], text, model_dir=self.cfg.model_dir)
         if not changes:
             return None
         name = os.path.basename(RunDir(self.cfg.model_dir).start_config(start))
