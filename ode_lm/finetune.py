@@ -30,6 +30,7 @@ from ode_lm.config_types import check_types
 from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.evaluation import EvalHook
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import FinetuneRecord, RunDir
 from ode_lm.training.step import StepConfig
@@ -184,6 +185,7 @@ def run_finetune(cfg: FinetuneConfig, data: Any, train_config: TrainConfig, *,
                  checkpoint_config: CheckpointConfig | None = None,
                  mesh_config: MeshConfig | None = None,
                  config_record: ConfigRecord | None = None,
+                 evals: list[EvalHook] | None = None,
                  read_run: Callable[[str], RunDir] = RunDir,
                  print_fn: Callable[[str], None] = print) -> tuple[TrainResult, dict[str, Any]]:
     """Build the fine-tuning Trainer and run it; returns (TrainResult, trainable counts).
@@ -208,7 +210,7 @@ def run_finetune(cfg: FinetuneConfig, data: Any, train_config: TrainConfig, *,
         optimizer_config=optimizer_config, step_config=step_config,
         checkpoint_config=checkpoint_config, mesh_config=mesh_config, model_fn=model_fn,
         init_params_fn=make_init_params_fn(cfg, model_config, step, train_config.seed),
-        trainable=trainable, config_record=config_record,
+        trainable=trainable, config_record=config_record, evals=evals,
         finetune=FinetuneRecord(finetune_info(cfg, step), info), print_fn=print_fn,
     )
     return trainer.run(), info

@@ -30,8 +30,10 @@ from ode_lm.data.config import DataConfig
 from ode_lm.distributed import DistributedConfig
 from ode_lm.errors import UsageError
 from ode_lm.finetune import FinetuneConfig, run_finetune
+from ode_lm.harness.run import LmEval
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.evaluation import EvalHook, LossEval
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.step import StepConfig
@@ -199,15 +201,17 @@ def train(
 ) -> TrainResult:
     """Build everything from gin and run the loop. Returns the TrainResult."""
     check_one_binding("train")
+    train_config = GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
     trainer = Trainer(
         model_config=model,
         data_config=data,
-        train_config=GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps),
+        train_config=train_config,
         optimizer_config=GinOptimizerConfig(),
         step_config=GinStepConfig(),
         checkpoint_config=GinCheckpointConfig(),
         mesh_config=GinMeshConfig(),
         config_record=GinRecord(),
+        evals=in_loop_evals(train_config),
     )
     result = trainer.run()
     if report_unigram_entropy:
@@ -224,11 +228,20 @@ def finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUIRED,
     (TrainResult, trainable counts)."""
     check_one_binding("finetune")
     cfg = GinFinetuneConfig()
+    train_config = GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps)
     return run_finetune(
-        cfg, data, GinTrainConfig(model_dir=model_dir, num_train_steps=num_train_steps),
+        cfg, data, train_config,
         optimizer_config=GinOptimizerConfig(), step_config=GinStepConfig(),
         checkpoint_config=GinCheckpointConfig(), mesh_config=GinMeshConfig(),
-        config_record=GinRecord(), read_run=run_dir, print_fn=print_fn)
+        config_record=GinRecord(), evals=in_loop_evals(train_config), read_run=run_dir,
+        print_fn=print_fn)
+
+
+def in_loop_evals(train_config: TrainConfig) -> list[EvalHook]:
+    """The trainer's in-loop evaluations from ``TrainConfig``, built (and checked) before any
+    step: the loss at the model's own N, the depth sweep and ``eval_solves``; then the
+    ``lm_eval_tasks``."""
+    return [LossEval.from_config(train_config), *LmEval.from_config(train_config)]
 
 
 def query(name: str) -> Any:

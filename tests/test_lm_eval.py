@@ -187,6 +187,7 @@ def test_trainer_writes_lm_eval_scalars_every_eval(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from ode_lm.data.tokenizers import get_tokenizer
+    from ode_lm.gin_setup import in_loop_evals
     from ode_lm.training.trainer import TrainConfig, Trainer
 
     corpus = write_jsonl(tmp_path / "corpus.jsonl", small_texts(200) + _task_texts())
@@ -200,7 +201,7 @@ def test_trainer_writes_lm_eval_scalars_every_eval(tmp_path):
     result = Trainer(model_config=tiny_config("gpt2", vocab_size=384, max_seq_len=64,
                                               init_std=0.3),
                      data_config=data, train_config=cfg, devices=jax.devices()[:1],
-                     print_fn=lambda _: None).run()
+                     evals=in_loop_evals(cfg), print_fn=lambda _: None).run()
     acc = EventAccumulator(model_dir)
     acc.Reload()
     ppl = "lm_eval/ode_lm_tiny_cloze/perplexity"
@@ -214,11 +215,20 @@ def test_trainer_writes_lm_eval_scalars_every_eval(tmp_path):
 
 
 def test_bad_train_config_lm_eval_values_stop_before_training(tmp_path):
-    from ode_lm.training.trainer import TrainConfig
+    """The gin layer builds the lm-eval hook (and checks its values) before any step; a
+    trainer handed lm-eval tasks without the hook refuses them rather than skip them."""
+    from ode_lm.gin_setup import in_loop_evals
+    from ode_lm.training.trainer import TrainConfig, Trainer
 
     with pytest.raises(FileNotFoundError, match="TrainConfig.lm_eval_include_path=/nowhere"):
-        TrainConfig(model_dir=str(tmp_path), num_train_steps=1, lm_eval_tasks=("x",),
-                    lm_eval_include_path="/nowhere")
+        in_loop_evals(TrainConfig(model_dir=str(tmp_path), num_train_steps=1,
+                                  lm_eval_tasks=("x",), lm_eval_include_path="/nowhere"))
     with pytest.raises(ValueError, match="TrainConfig.lm_eval_limit=0"):
-        TrainConfig(model_dir=str(tmp_path), num_train_steps=1, lm_eval_tasks=("x",),
-                    lm_eval_limit=0)
+        in_loop_evals(TrainConfig(model_dir=str(tmp_path), num_train_steps=1,
+                                  lm_eval_tasks=("x",), lm_eval_limit=0))
+    cfg = TrainConfig(model_dir=str(tmp_path / "run"), num_train_steps=1, lm_eval_tasks=("x",))
+    with pytest.raises(ValueError, match="TrainConfig.lm_eval_tasks: the trainer runs"):
+        Trainer(model_config=tiny_config("gpt2", vocab_size=384), train_config=cfg,
+                data_config=DataConfig(data_dir=str(tmp_path / "data")),
+                devices=jax.devices()[:1])
+    assert not (tmp_path / "run").exists()

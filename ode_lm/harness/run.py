@@ -13,6 +13,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ode_lm.training.evaluation import EvalContext, EvalHook
+
 _TASK_MANAGERS: dict[tuple, Any] = {}
 
 
@@ -133,33 +135,37 @@ def evaluate_model(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     return out
 
 
-def check_train_config(train_config: Any) -> None:
-    """Before any step: lm-eval is installed and the ``TrainConfig.lm_eval_*`` values make
-    sense (a typo should not wait for the first eval to surface)."""
-    if not train_config.lm_eval_tasks:
-        return
-    parse_tasks(train_config.lm_eval_tasks, "TrainConfig.lm_eval_tasks")
-    path, limit = train_config.lm_eval_include_path, train_config.lm_eval_limit
-    if path is not None and not os.path.isdir(path):
-        raise FileNotFoundError(f"TrainConfig.lm_eval_include_path={path}: no such directory")
-    if limit is not None and limit < 1:
-        raise ValueError(f"TrainConfig.lm_eval_limit={limit}: must be >= 1")
-    require_lm_eval()
+class LmEval(EvalHook):
+    """The trainer's lm-eval hook: ``tasks`` on the current parameters at the model's N and
+    ``solver`` at every eval (``lm_eval/<task>/<metric>``). Checked when built, before any
+    step (lm-eval installed, the values sensible: a typo should not wait for the first eval).
+    """
 
+    def __init__(self, tasks: Sequence[str], *, include_path: str | None = None,
+                 limit: int | None = None, solver: str | None = None,
+                 what: str = "TrainConfig.lm_eval"):
+        self.tasks = parse_tasks(tasks, f"{what}_tasks")
+        if include_path is not None and not os.path.isdir(include_path):
+            raise FileNotFoundError(f"{what}_include_path={include_path}: no such directory")
+        if limit is not None and limit < 1:
+            raise ValueError(f"{what}_limit={limit}: must be >= 1")
+        require_lm_eval()
+        self.include_path, self.limit, self.solver = include_path, limit, solver
 
-def training_metrics(train_config: Any, spec: Any, params: Any, data_config: Any
-                     ) -> dict[str, float]:
-    """The trainer's hook: ``TrainConfig.lm_eval_tasks`` on the current parameters at the
-    model's N and ``TrainConfig.eval_solver``; {} when no tasks are set."""
-    tasks = train_config.lm_eval_tasks
-    if not tasks:
-        return {}
-    from flax import nnx
+    @classmethod
+    def from_config(cls, train_config: Any) -> list[LmEval]:
+        """``TrainConfig.lm_eval_*`` as hooks: [] without tasks, else one."""
+        if not train_config.lm_eval_tasks:
+            return []
+        return [cls(train_config.lm_eval_tasks, include_path=train_config.lm_eval_include_path,
+                    limit=train_config.lm_eval_limit, solver=train_config.eval_solver)]
 
-    from ode_lm.data.tokenizers import get_tokenizer
+    def __call__(self, ctx: EvalContext) -> dict[str, float]:
+        from flax import nnx
 
-    model = nnx.merge(spec.graphdef, nnx.State(params), spec.rest)
-    tokenizer = get_tokenizer(data_config.tokenizer, data_config.data_dir)
-    return evaluate_model(model, tokenizer, tasks, solver=train_config.eval_solver,
-                          include_path=train_config.lm_eval_include_path,
-                          limit=train_config.lm_eval_limit)
+        from ode_lm.data.tokenizers import get_tokenizer
+
+        model = nnx.merge(ctx.spec.graphdef, nnx.State(ctx.params), ctx.spec.rest)
+        tokenizer = get_tokenizer(ctx.data_config.tokenizer, ctx.data_config.data_dir)
+        return evaluate_model(model, tokenizer, self.tasks, solver=self.solver,
+                              include_path=self.include_path, limit=self.limit)

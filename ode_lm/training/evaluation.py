@@ -191,3 +191,53 @@ def depth_table(results: Mapping[str, float], settings: Mapping[str, Solve]
     over = f" over {tokens:,.0f} tokens" if tokens is not None else ""
     caption = f"one set of weights, solved with N steps (validation perplexity{over}):"
     return [caption, *rows], shown
+
+
+# ------------------------------------------------------------------ in-loop hooks
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalContext:
+    """What an in-loop evaluation sees at one eval of the trainer: the current parameters
+    at ``step``, the state spec, the run's data config and the trainer's ``Evaluator``
+    (its eval steps jitted once per setting and kept)."""
+
+    step: int
+    params: Any
+    spec: Any
+    data_config: Any
+    evaluator: Evaluator
+
+
+class EvalHook:
+    """One in-loop evaluation the trainer is handed (``Trainer(evals=[...])``): called at
+    every eval with an ``EvalContext``, it returns ``{name: value}`` for the metrics."""
+
+    def __call__(self, ctx: EvalContext) -> dict[str, float]:
+        raise NotImplementedError
+
+    def settings(self, evaluator: Evaluator) -> dict[str, Solve]:
+        """The ODE settings it evaluates (name suffix -> Solve): the run summary's table."""
+        return {}
+
+
+class LossEval(EvalHook):
+    """Loss, perplexity (and NFE) at each setting: the model's own N and solver, a depth
+    sweep, other solvers (``Evaluator.evaluate``)."""
+
+    def __init__(self, solves: Sequence[Solve]):
+        self.solves = list(solves)
+
+    @classmethod
+    def from_config(cls, train_config: Any) -> LossEval:
+        """``TrainConfig.eval_num_steps`` with ``eval_solver``, then ``eval_solves``."""
+        return cls([*sweep_solves((None, *train_config.eval_num_steps),
+                                  train_config.eval_solver),
+                    *(parse_solve(s, "TrainConfig.eval_solves")
+                      for s in train_config.eval_solves)])
+
+    def __call__(self, ctx: EvalContext) -> dict[str, float]:
+        return ctx.evaluator.evaluate(ctx.params, self.solves)
+
+    def settings(self, evaluator: Evaluator) -> dict[str, Solve]:
+        return evaluator.settings(self.solves)

@@ -22,14 +22,20 @@ import jax
 
 from ode_lm import partitioning
 from ode_lm.config_types import check_types
-from ode_lm.harness.run import check_train_config, training_metrics
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
-from ode_lm.training.evaluation import Evaluator, Solve, parse_solve, sweep_solves
+from ode_lm.training.evaluation import (
+    EvalContext,
+    EvalHook,
+    Evaluator,
+    LossEval,
+    Solve,
+    parse_solve,
+)
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
 from ode_lm.training.preemption import PreemptionWatcher, StopNow
 from ode_lm.training.run_dir import FinetuneRecord, RunDir
@@ -53,14 +59,14 @@ class TrainConfig:
     eval_solves: tuple[str, ...] = ()
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
     cpu_peak_flops: float = metrics_lib.DEFAULT_CPU_PEAK_FLOPS
-    # lm-eval tasks (names or YAML files) run at each eval: lm_eval/<task>/<metric>
+    # lm-eval tasks (names or YAML files) run at each eval: lm_eval/<task>/<metric>, by the
+    # hook the gin layer hands the trainer (harness.run.LmEval)
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_include_path: str | None = None  # a directory of local task YAMLs
     lm_eval_limit: int | None = None  # documents per task (None: all)
 
     def __post_init__(self):
         check_types(self)
-        check_train_config(self)
         if self.num_train_steps < 1:
             raise ValueError(f"TrainConfig.num_train_steps={self.num_train_steps}: must be >= 1")
         if self.log_every < 1:
@@ -185,9 +191,13 @@ class Trainer:
         init_params_fn: state_lib.InitParamsFn | None = None,
         trainable: state_lib.TrainablePredicate | None = None,
         config_record: ConfigRecord | None = None,
+        evals: list[EvalHook] | None = None,
         finetune: FinetuneRecord | None = None,
         print_fn: Callable[[str], None] = print,
     ):
+        if evals is None and train_config.lm_eval_tasks:
+            raise ValueError("TrainConfig.lm_eval_tasks: the trainer runs lm-eval through the "
+                             "hook it is handed (evals=[..., harness.run.LmEval(...)])")
         optimizer_config = optimizer_config or OptimizerConfig()
         step_config = step_config or step_lib.StepConfig()
         if step_config.dropout is None:
@@ -226,12 +236,12 @@ class Trainer:
         self.evaluator = Evaluator(
             self.spec, lambda: self.eval_data(self.data_config, self.mesh, self.rules),
             model_num_steps=model_config.num_steps, model_solver=model_config.solver)
-        # every eval: the model's own N and the depth sweep with eval_solver, then eval_solves
-        self.eval_solves = [*sweep_solves((None, *train_config.eval_num_steps),
-                                          train_config.eval_solver),
-                            *(parse_solve(s) for s in train_config.eval_solves)]
+        # the in-loop evaluations, in order (default: the loss at TrainConfig's settings)
+        self.evals = evals if evals is not None else [LossEval.from_config(train_config)]
         ode = model_config.architecture == "ode"  # a discrete model has no N to table
-        self.eval_settings = self.evaluator.settings(self.eval_solves) if ode else {}
+        self.eval_settings = ({k: v for hook in self.evals
+                               for k, v in hook.settings(self.evaluator).items()}
+                              if ode else {})
         self.checkpointer = ckpt_lib.Checkpointer(train_config.model_dir, checkpoint_config)
 
     # ------------------------------------------------------------------ pieces
@@ -273,11 +283,11 @@ class Trainer:
         check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
-        """The model's own N, the depth sweep and ``TrainConfig.eval_solves``, named as
-        in ``training.evaluation``, plus ``TrainConfig.lm_eval_tasks``
-        (``lm_eval/<task>/<metric>``)."""
-        results = self.evaluator.evaluate(params, self.eval_solves)
-        results.update(training_metrics(self.cfg, self.spec, params, self.data_config))
+        """Every in-loop evaluation it was handed, in order, on the current parameters."""
+        ctx = EvalContext(step, params, self.spec, self.data_config, self.evaluator)
+        results: dict[str, float] = {}
+        for hook in self.evals:
+            results.update(hook(ctx))
         return results
 
     # -------------------------------------------------------------------- loop
