@@ -29,6 +29,8 @@ from typing import Any, NoReturn
 
 import jax
 
+from ode_lm import compat
+
 log = logging.getLogger(__name__)
 
 ENV_ADDRESS = "JAX_COORDINATOR_ADDRESS"
@@ -138,12 +140,10 @@ def resolve_settings(
 def on_managed_cluster() -> bool:
     """True on a Cloud TPU VM or a Slurm / Open MPI job with more than one task."""
     try:
-        from jax._src import cloud_tpu_init
-
-        if cloud_tpu_init.running_in_cloud_tpu_vm:
+        if compat.running_in_cloud_tpu_vm():
             return True
-    except ImportError:  # pragma: no cover - private module moved
-        pass
+    except compat.CompatError as e:  # pragma: no cover - jax moved it: env vars still tell
+        log.warning("%s", e)
     for env in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
         if int(os.environ.get(env, "1") or 1) > 1:
             return True
@@ -226,10 +226,8 @@ def initialize(
 
 
 def _client() -> Any:
-    """JAX's coordination-service client (private: ``jax._src.distributed.global_state``)."""
-    from jax._src import distributed as jax_distributed
-
-    return jax_distributed.global_state.client
+    """JAX's coordination-service client (``compat.coordination_client``)."""
+    return compat.coordination_client()
 
 
 class PeerWatchdog:

@@ -26,6 +26,7 @@ from typing import Any
 import gin
 from gin import config_parser
 
+from ode_lm import compat
 from ode_lm.data.config import DataConfig
 from ode_lm.distributed import DistributedConfig
 from ode_lm.errors import UsageError
@@ -142,11 +143,7 @@ def parse_gin(flags: GinFlags) -> None:
 def macro_values() -> dict[str, str]:
     """NAME -> value (gin's text) of every macro the parsed config defines, in the order they
     were first defined (files and their includes, then bindings): what ``--help`` lists."""
-    from gin import config as gin_config
-
-    return {scope: gin_config._format_value(params["value"])
-            for (scope, selector), params in gin_config._CONFIG.items()
-            if selector == "gin.macro" and "value" in params}
+    return compat.gin_macros()
 
 
 def _macro_key(binding: str) -> str | None:
@@ -157,10 +154,7 @@ def _macro_key(binding: str) -> str | None:
 
 def referenced_macros() -> set[str]:
     """Macros the parsed config refers to (``%NAME`` anywhere, in files or bindings)."""
-    from gin import config as gin_config
-
-    return {ref.config_key[0] for ref in gin_config.iterate_references(gin_config._CONFIG)
-            if ref.config_key[1] == "gin.macro"}
+    return compat.gin_macro_references()
 
 
 def check_cli_macros(flags: GinFlags) -> None:

@@ -119,6 +119,6 @@ def topology_devices(topo: Topology) -> list:
 
 
 def libtpu_available() -> bool:
-    from jax._src import cloud_tpu_init
+    from ode_lm import compat
 
-    return cloud_tpu_init.get_tpu_library_path() is not None
+    return compat.tpu_library_path() is not None

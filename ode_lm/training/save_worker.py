@@ -113,9 +113,10 @@ def use_coordination_barriers() -> None:
     the one absl flag as if given on the command line (the program's own flags stay
     unparsed)."""
     from absl import flags
-    from orbax.checkpoint._src.multihost import multihost
 
-    flag = flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name]
+    from ode_lm import compat
+
+    flag = flags.FLAGS[compat.orbax_distributed_barrier_flag()]
     flag.value, flag.present = True, max(flag.present, 1)
 
 

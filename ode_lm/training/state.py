@@ -20,6 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ode_lm import compat
+
 ModelFn = Callable[[nnx.Rngs], nnx.Module]
 TrainablePredicate = Callable[[str, Any], bool]
 # (abstract params with shardings) -> concrete params with those shardings; fine-tuning
@@ -98,7 +100,7 @@ def build_state_spec(
     replicated = NamedSharding(mesh, P())
     abs_opt = jax.eval_shape(tx.init, abs_params)
     # Frozen parameters (``trainable``) appear as MaskedNode in multi_transform's state.
-    masked = optax.transforms._masking.MaskedNode
+    masked = compat.masked_node_type()
     opt_shardings = optax.tree_map_params(
         tx,
         lambda p, s: p if isinstance(p, masked) else s,
