@@ -80,6 +80,22 @@ int_list = _list_type(int, "int")  # argparse type for '2,4,8'; the error names 
 float_list = _list_type(float, "float")
 
 
+def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None) -> None:
+    """``--solver`` / ``--rtol`` / ``--atol`` of the commands that solve a saved run (eval,
+    depth-report), checked before anything is restored."""
+    from ode_lm.models import solvers as solvers_lib
+
+    if solver is not None:
+        try:
+            solvers_lib.check_solver(solver, adaptive_ok=True)
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
+    if rtol is not None and not rtol > 0:
+        raise ValueError(f"--rtol={rtol}: must be > 0")
+    if atol is not None and not atol >= 0:
+        raise ValueError(f"--atol={atol}: must be >= 0")
+
+
 def doc_parser(prog: str, doc: str) -> ArgumentParser:
     """A command's parser from its module docstring: the first paragraph is the description,
     the rest (usage examples, notes) the epilog, printed as written."""

@@ -46,20 +46,6 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Names
     return p.parse_args(argv)
 
 
-def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None) -> None:
-    from ode_lm.models import solvers as solvers_lib
-
-    if solver is not None:
-        try:
-            solvers_lib.check_solver(solver, adaptive_ok=True)
-        except ValueError as e:
-            raise ValueError(f"--{e}") from None
-    if rtol is not None and not rtol > 0:
-        raise ValueError(f"--rtol={rtol}: must be > 0")
-    if atol is not None and not atol >= 0:
-        raise ValueError(f"--atol={atol}: must be >= 0")
-
-
 def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
                  solver: str | None = None, step: int | None = None,
                  split: str = "validation", rtol: float | None = None,
@@ -72,7 +58,7 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_run
 
-    check_solver_flags(solver, rtol, atol)
+    cli.check_solver_flags(solver, rtol, atol)
     run = load_run(model_dir, step, read_run=run_dir)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
     return {"step": float(run.step), **sweep}
@@ -85,7 +71,7 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
     from ode_lm.harness import run as harness
     from ode_lm.training.saved_run import load_run
 
-    check_solver_flags(args.solver, args.rtol, args.atol)
+    cli.check_solver_flags(args.solver, args.rtol, args.atol)
     tasks = harness.parse_tasks(args.lm_eval_tasks)
     harness.task_manager(tasks, args.lm_eval_include_path)  # bad tasks/paths before the restore
     run = load_run(args.model_dir, args.step, read_run=run_dir)

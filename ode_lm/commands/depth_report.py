@@ -67,7 +67,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-report") -
 
 
 def run(args: argparse.Namespace) -> int:
-    from ode_lm.eval import check_solver_flags
 
     t0 = time.time()
     if min(args.num_steps) < 1:
@@ -77,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--rtols={','.join(map(str, args.rtols))}: every tolerance must "
                          "be > 0")
     for s in args.solvers.split(","):
-        check_solver_flags(s, None, args.atol)
+        cli.check_solver_flags(s, None, args.atol)
     for flag, d in (("--model_dir", args.model_dir), ("--compare_dir", args.compare_dir)):
         if d is not None and not os.path.isdir(d):
             raise FileNotFoundError(f"{flag}={d}: no such directory")
