@@ -2,7 +2,7 @@
 # Run an ode-lm gin config on every worker of a Cloud TPU VM (single host or pod).
 #
 # Steps: [create the VM] -> copy the repo to all workers -> pip install '.[tpu]' ->
-# start `python3 -m ode_lm.train` on all workers (each logs to its own file) -> stream
+# start `python3 -m ode_lm.commands.train` on all workers (each logs to its own file) -> stream
 # worker 0's log. With --retries N a failed or preempted run is restarted; the trainer
 # resumes from the latest checkpoint in its model dir, so that dir must be shared storage
 # (gs://...) for a restart on a re-created VM to continue where it stopped.
@@ -17,7 +17,7 @@ Usage: launch/tpu_vm.sh --tpu NAME --zone ZONE [--project PROJECT]
                         [--dry-run]
        launch/tpu_vm.sh --tpu NAME --zone ZONE [--project PROJECT] --stop [--dry-run]
 
-Runs `python3 -m ode_lm.train` with the given gin files and bindings on every worker of
+Runs `python3 -m ode_lm.commands.train` with the given gin files and bindings on every worker of
 the TPU VM NAME, each worker writing DIR/logs/worker-<i>.log, and streams worker 0's log.
 
   --tpu NAME               TPU VM name (required)
@@ -188,7 +188,7 @@ install_pkg() {
 }
 
 train_command() {
-  local args=(python3 -m ode_lm.train) a f b line=""
+  local args=(python3 -m ode_lm.commands.train) a f b line=""
   for f in "${GIN_FILES[@]}"; do args+=(--gin_file="$f"); done
   for b in "${GIN_BINDINGS[@]+"${GIN_BINDINGS[@]}"}"; do args+=("--gin.$b"); done
   for a in "${args[@]}"; do line+="$(shell_quote "$a") "; done

@@ -90,7 +90,7 @@ def check_pretrained(cfg: FinetuneConfig) -> tuple[ModelConfig, int]:
     steps = run.checkpoint_steps()
     if not steps:
         raise FileNotFoundError(f"PRETRAINED_DIR={d}: no checkpoint under {ckpt_dir}; "
-                                "pretrain first (python -m ode_lm.train ...)")
+                                "pretrain first (python -m ode_lm.commands.train ...)")
     config = run.model_config()
     if config.architecture != "ode":
         raise ValueError(f"PRETRAINED_DIR={d}: a {config.architecture} model; adaptive-depth "

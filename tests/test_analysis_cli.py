@@ -141,7 +141,7 @@ def test_cli_text_through_the_tokenizer(runs, tmp_path, capsys):
 @pytest.mark.slow
 def test_cli_end_to_end_on_a_demo_checkpoint(tmp_path, capsys):
     """The demo config (model, data, tokenizer) trained for 2 steps, then every command."""
-    from ode_lm.train import main as train_main
+    from ode_lm.commands.train import main as train_main
 
     run = tmp_path / "demo"
     assert train_main([f"--gin_file={REPO / 'configs' / 'runs' / 'demo.gin'}",

@@ -48,7 +48,7 @@ def run_dirs(tmp_path_factory) -> dict[str, Path]:
     model, data = work / "run", work / "data"
     gin_file = work / "micro.gin"
     gin_file.write_text(micro_cli_gin(data, model, train_steps=2, ici="(-1, 1, 1)"))
-    proc = _run(work, ["-m", "ode_lm.train", f"--gin_file={gin_file}"])
+    proc = _run(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin_file}"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     (work / "prompt.txt").write_text("The ODE")
     return {"WORK": work, "MODEL": model, "DATA": data, "GIN": gin_file}

@@ -7,7 +7,7 @@ import pytest
 from data_helpers import builtin_config
 
 from ode_lm.data import load_manifest, make_eval_iterator
-from ode_lm.data.eval import EvalStream
+from ode_lm.data.eval_sets import EvalStream
 
 
 @pytest.mark.parametrize("process_count", [1, 2])

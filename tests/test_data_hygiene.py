@@ -296,7 +296,7 @@ def test_eval_split_checked_from_the_manifest(prepared, tmp_path):
 
 
 def test_trainer_refuses_an_empty_validation_split_before_any_step(tmp_path, capsys):
-    from ode_lm.train import main
+    from ode_lm.commands.train import main
 
     src = write_jsonl(tmp_path / "raw.jsonl", small_texts(40))
     model_dir = tmp_path / "run"

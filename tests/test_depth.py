@@ -232,7 +232,7 @@ def test_depth_report_end_to_end(tiny_run, tmp_path, capsys):
 
 
 def test_eval_cli_adaptive_prints_perplexity_and_nfe(tiny_run, capsys):
-    from ode_lm.eval import main
+    from ode_lm.commands.eval import main
 
     assert main([f"--model_dir={tiny_run}", "--solver=adaptive", "--rtol=1e-3"]) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -244,8 +244,8 @@ def test_eval_cli_adaptive_prints_perplexity_and_nfe(tiny_run, capsys):
 
 def test_final_eval_names_each_setting_and_the_summary_tables_them(tiny_trained, capsys):
     """TrainConfig.eval_solves beside the depth sweep: every figure named by its solver and N
-    (plain only at the run's own), and ode_lm.train's summary shows them as one table."""
-    from ode_lm.train import report
+    (plain only at the run's own), and ode_lm.commands.train's summary shows them as one table."""
+    from ode_lm.commands.train import report
 
     _, result = tiny_trained
     ev = result.eval

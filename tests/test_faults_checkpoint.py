@@ -275,7 +275,7 @@ FULL_DISK_CLI = textwrap.dedent("""
             raise ValueError({disk_full!r})
         return await original(rslices, spec, *args, **kwargs)
     s.async_serialize_from_host = write
-    from ode_lm.train import main, main_exit
+    from ode_lm.commands.train import main, main_exit
     sys.argv = ["ode-lm-train", "--gin_file={gin_file}"]
     main_exit(main)
 """)
@@ -331,7 +331,8 @@ def test_train_cli_on_a_really_full_tmpfs(run2, data_config, small_tmpfs):
     env = {k: v for k, v in os.environ.items() if k != "ODE_LM_DEBUG"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"  # run2's layout and size
     proc = subprocess.run(
-        [sys.executable, "-c", "import logging, sys; from ode_lm.train import main, main_exit;"
+        [sys.executable, "-c", "import logging, sys;"
+         " from ode_lm.commands.train import main, main_exit;"
          " logging.getLogger('ode_lm.train').setLevel(logging.WARNING); main_exit(main)",
          f"--gin_file={gin_file}"],
         capture_output=True, text=True, timeout=600, env=env)

@@ -72,7 +72,7 @@ def test_sample_cli_prints_text_and_speed(tmp_path, capsys):
 
     from export_helpers import make_run, tiny_config
 
-    from ode_lm import sample
+    from ode_lm.commands import sample
     from ode_lm.data import DataConfig, ensure_prepared
 
     docs = tmp_path / "docs.jsonl"

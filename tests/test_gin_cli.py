@@ -9,8 +9,8 @@ import gin
 import pytest
 
 from ode_lm import cli, distributed
-from ode_lm import train as train_cli
 from ode_lm.commands import finetune as ft
+from ode_lm.commands import train as train_cli
 
 
 class Joined(RuntimeError):
@@ -76,7 +76,7 @@ runpy.run_module(sys.argv[0], run_name="__main__")
 """
 
 
-@pytest.mark.parametrize("module", ["ode_lm.train", "ode_lm.commands.finetune"])
+@pytest.mark.parametrize("module", ["ode_lm.commands.train", "ode_lm.commands.finetune"])
 def test_cli_modules_leave_through_exit_process(module):
     # a fresh process: the module runs as __main__ once (gin registers its configurables)
     out = subprocess.run([sys.executable, "-c", EXIT_PROBE, module], capture_output=True,

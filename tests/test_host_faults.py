@@ -265,7 +265,7 @@ def test_late_failure_prints_only_its_line_and_table_needs_verbose(tmp_path):
     model_dir = tmp_path / "run"
     gin_file = tmp_path / "late.gin"
     gin_file.write_text(LATE_FAILURE_GIN.format(data_dir=data.data_dir, model_dir=model_dir))
-    cmd = [sys.executable, "-m", "ode_lm.train", f"--gin_file={gin_file}"]
+    cmd = [sys.executable, "-m", "ode_lm.commands.train", f"--gin_file={gin_file}"]
     plain = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 1
     assert plain.stderr.splitlines() == [

@@ -61,7 +61,7 @@ import json, os, pathlib, sys
 home = pathlib.Path(os.environ["HOME"])
 with open(home / "python3_calls.jsonl", "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
-if sys.argv[1:3] == ["-m", "ode_lm.train"]:
+if sys.argv[1:3] == ["-m", "ode_lm.commands.train"]:
     codes = (home / "train_exit_codes").read_text().split()
     (home / "train_exit_codes").write_text(" ".join(codes[1:] or codes))
     print("worker", os.environ["FAKE_WORKER"], "step 5 loss 3.25", flush=True)
@@ -116,8 +116,8 @@ BASE = ["--tpu", "my-pod", "--zone", "us-east5-a", "--project=my-proj",
         "--gin_file", "configs/runs/demo.gin", "--gin.train.steps=7",
         "--gin.train.model_dir='gs://bucket/run 1'"]
 SCOPE = ["--zone=us-east5-a", "--project=my-proj"]
-TRAIN_ARGV = ["-m", "ode_lm.train", "--gin_file=configs/runs/demo.gin", "--gin.train.steps=7",
-              "--gin.train.model_dir='gs://bucket/run 1'"]
+TRAIN_ARGV = ["-m", "ode_lm.commands.train", "--gin_file=configs/runs/demo.gin",
+              "--gin.train.steps=7", "--gin.train.model_dir='gs://bucket/run 1'"]
 
 
 def _shape(call: list[str]) -> list[str]:
@@ -231,7 +231,7 @@ def test_dry_run_prints_every_command_and_runs_none(pod):
                          "--project=my-proj --accelerator-type=v5p-64 --version=v2-alpha-tpuv5")
     assert "--worker=all" in gcloud[1] and " scp " in gcloud[1]
     assert 'pip install -q -e ".[tpu]"' in gcloud[3]
-    assert "python3 -m ode_lm.train --gin_file=configs/runs/demo.gin" in gcloud[4]
+    assert "python3 -m ode_lm.commands.train --gin_file=configs/runs/demo.gin" in gcloud[4]
     assert gcloud[5].endswith("-F ode-lm/logs/worker-0.log'") and "--worker=0" in gcloud[5]
 
 

@@ -1,6 +1,6 @@
 """lm-eval through the native adapter (ode_lm.harness) on the local tasks in tests/lm_eval_tasks:
 the same scores as ``lm_eval --model hf`` on an export at the same N, request by request; the
-scoring rule itself; ``ode_lm.eval --lm_eval_tasks``; and the trainer's lm_eval/<task>/<metric>."""
+scoring rule itself; ``ode-lm eval --lm_eval_tasks``; and the trainer's lm_eval/<task>/<metric>."""
 
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def _task_texts() -> list[str]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(run dir, data dir, tokenizer): an ODE gpt2 run (random init, saved from 8 devices)
-    with a byte-level BPE trained on the task texts, and the data_config.json ode_lm.eval reads."""
+    with a byte-level BPE trained on the task texts, and the data_config.json that
+    ``ode-lm eval`` reads."""
     from ode_lm.data.tokenizers import get_tokenizer, train_bpe
 
     root = tmp_path_factory.mktemp("lmeval")
@@ -160,7 +161,7 @@ def test_scores_are_the_log_likelihood_of_the_left_truncated_window(tiny):
 
 
 def test_eval_cli_runs_lm_eval_tasks_at_each_n(tiny, ours, capsys):
-    from ode_lm import eval as eval_cli
+    from ode_lm.commands import eval as eval_cli
 
     run, _, _ = tiny
     rc = eval_cli.main(["--model_dir", run, "--num_steps", f"3,{N}", "--lm_eval_tasks",

@@ -312,7 +312,7 @@ def test_two_process_finetune_joins_one_job_and_its_checkpoint_evaluates_alike(t
     from data_helpers import small_texts, write_jsonl
     from export_helpers import make_run, tiny_config
 
-    from ode_lm.eval import evaluate_run
+    from ode_lm.commands.eval import evaluate_run
 
     pretrained, model_dir = tmp_path / "pretrained", tmp_path / "finetuned"
     make_run(str(pretrained), tiny_config("gpt2", vocab_size=384, num_steps=2))

@@ -72,7 +72,8 @@ def finished(work) -> Path:
     """A finished 3-step micro run (checkpoints 1, 2, 3), its data prepared in work/prep."""
     work.mkdir(parents=True, exist_ok=True)
     model = work / "finished"
-    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={_gin(work, 'finished', model, 3)}"])
+    gin = _gin(work, "finished", model, 3)
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert _ckpt_steps(model) == [1, 2, 3]
     return model
@@ -89,7 +90,7 @@ def _copy(src: Path, dst: Path) -> Path:
 @slow
 def test_nothing_to_train_says_so_and_changes_nothing(work, finished):
     before, data_before = tree_hash(finished), tree_hash(work / "prep")
-    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={work / 'finished.gin'}",
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={work / 'finished.gin'}",
                     "--gin.ODE_STEPS=8"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert _lines(r.stdout) == [
@@ -104,7 +105,7 @@ def test_resume_with_new_settings_keeps_each_config(work, finished):
     model = _copy(finished, work / "changed")
     config_gin = (model / "config.gin").read_bytes()
     gin = _gin(work, "changed", model, 3)
-    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={gin}", "--gin.ODE_STEPS=4",
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}", "--gin.ODE_STEPS=4",
                     "--gin.TRAIN_STEPS=4"])
     assert r.returncode == 0, r.stderr[-3000:]
     said = [x for x in r.stdout.splitlines() if x.startswith("settings changed")]
@@ -116,7 +117,7 @@ def test_resume_with_new_settings_keeps_each_config(work, finished):
     assert _ckpt_steps(model)[-1] == 4
     # a rerun of the same command: nothing to train, nothing changes
     before = tree_hash(model)
-    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={gin}", "--gin.ODE_STEPS=4",
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}", "--gin.ODE_STEPS=4",
                     "--gin.TRAIN_STEPS=4"])
     assert r.returncode == 0 and tree_hash(model) == before
 
@@ -128,7 +129,7 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
         f.write(json.dumps({"step": 4, "train/loss": 99.0}) + "\n")
         f.write(json.dumps({"step": 5, "train/loss": 99.0}) + "\n")
         f.write('{"step": 6, "train/lo')  # torn by the kill
-    r = _cmd(work, ["-m", "ode_lm.train", f"--gin_file={_gin(work, 'trimmed', model, 4)}"])
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={_gin(work, 'trimmed', model, 4)}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dropped 3 metrics rows logged after step 3" in r.stdout
     train = [(x["step"], x["train/loss"]) for x in _rows(model) if "train/loss" in x]
@@ -141,7 +142,7 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
 def _interrupt(work: Path, name: str, presses: int) -> tuple[subprocess.Popen, str, str, Path]:
     model = work / name
     gin = _gin(work, name, model, 100_000, "CheckpointConfig.save_every = 100_000\n")
-    proc = _start(work, ["-m", "ode_lm.train", f"--gin_file={gin}"])
+    proc = _start(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}"])
     deadline = time.time() + 300
     while proc.poll() is None:  # a few steps in, none saved on the interval
         assert time.time() < deadline
@@ -195,7 +196,7 @@ def test_damaged_latest_checkpoint_is_one_line_and_the_summary_names_the_step(wo
     model = _copy(finished, work / "damaged")
     damaged = _truncate_latest(model)
     before = tree_hash(model)
-    r = _cmd(work, ["-m", "ode_lm.eval", f"--model_dir={model}"])
+    r = _cmd(work, ["-m", "ode_lm.commands.eval", f"--model_dir={model}"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert _lines(r.stderr) == [f"checkpoint step {damaged} is damaged (a file is truncated): "
                                 f"falling back to step {damaged - 1}"], r.stderr
@@ -264,7 +265,7 @@ def test_token_ids_never_null(tmp_path):
 @slow
 def test_eval_cli_warns_in_one_line_when_the_step_cap_is_hit(work, finished):
     before = tree_hash(finished)
-    r = _cmd(work, ["-m", "ode_lm.eval", f"--model_dir={finished}", "--solver=adaptive",
+    r = _cmd(work, ["-m", "ode_lm.commands.eval", f"--model_dir={finished}", "--solver=adaptive",
                     "--rtol=1e-9", "--atol=1e-12"])
     assert r.returncode == 0, r.stderr[-3000:]
     lines = _lines(r.stderr)

@@ -1,4 +1,4 @@
-"""End-to-end CLI runs of ``python -m ode_lm.train`` as real subprocesses.
+"""End-to-end CLI runs of ``python -m ode_lm.commands.train`` as real subprocesses.
 
 One uninterrupted reference run is shared by: exact resume after SIGKILL, SIGTERM
 preemption, TensorBoard read-back and the "bad input leaves MODEL_DIR intact" checks.
@@ -69,7 +69,7 @@ def write_gin(workdir: Path, name: str, model_dir: Path, steps: int = 2 * K) -> 
 
 
 def start(workdir: Path, gin_file: Path, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "ode_lm.train", f"--gin_file={gin_file}", *extra]
+    cmd = [sys.executable, "-m", "ode_lm.commands.train", f"--gin_file={gin_file}", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(workdir / "xla_cache"))
 
@@ -223,7 +223,7 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_one_line_error_and_model_dir_untouched(case, workdir, reference, capsys):
-    from ode_lm.train import main
+    from ode_lm.commands.train import main
 
     extra, gin_tail, expected = BAD_INPUTS[case]
     gin_file = write_gin(workdir, "bad_" + case.replace(" ", "_"), reference)
@@ -238,7 +238,7 @@ def test_bad_input_one_line_error_and_model_dir_untouched(case, workdir, referen
 
 
 def test_changed_shape_error_names_parameter_and_both_shapes(workdir, reference, capsys):
-    from ode_lm.train import main
+    from ode_lm.commands.train import main
 
     gin_file = write_gin(workdir, "changed_width", reference)
     assert main([f"--gin_file={gin_file}", "--gin.NUM_HEADS=4", "--gin.D_MODEL=64"]) == 1
@@ -247,7 +247,7 @@ def test_changed_shape_error_names_parameter_and_both_shapes(workdir, reference,
 
 
 def test_eval_cli_matches_training_eval_and_sweeps_depth(reference, capsys):
-    from ode_lm.eval import main
+    from ode_lm.commands.eval import main
 
     rows = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     final_eval = [r for r in rows if "eval/loss" in r][-1]

@@ -1,4 +1,4 @@
-"""Speed of the analyses on the cpu_small model: ``python -m ode_lm.analysis.bench``.
+"""Speed of the analyses on the cpu_small model: ``python -m ode_lm.analysis.speed``.
 
 Targets (README): Lyapunov exponents of a 128-token text < 60 s, spectra at 101 t values
 < 30 s, on a 2-core CPU. Times are wall clock and include compilation (what a CLI user

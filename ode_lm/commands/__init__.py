@@ -2,8 +2,8 @@
 
 Each module exposes ``main(argv, prog) -> int`` (exit status) and imports its heavy pieces
 (jax, gin, the trainer) inside, so ``ode-lm --help`` and the dispatch stay instant.
-train/eval/sample/finetune live at the package top (``python -m ode_lm.train`` keeps working);
-the other commands are the former ``tools/*.py`` scripts.
+Every command's module lives here (``python -m ode_lm.commands.train`` runs one directly);
+the non-core ones are the former ``tools/*.py`` scripts.
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("ode_lm.train", "pretrain a model from gin configs (resumes MODEL_DIR)",
-                     multi_host=True),
+    "train": Command("ode_lm.commands.train", "pretrain a model from gin configs (resumes "
+                     "MODEL_DIR)", multi_host=True),
     "finetune": Command("ode_lm.commands.finetune", "fine-tune a pretrained run at another "
                         "depth M, fully or with LoRA", multi_host=True),
-    "eval": Command("ode_lm.eval", "loss and perplexity of a saved run at any steps/solver, "
-                    "or lm-eval tasks"),
-    "sample": Command("ode_lm.sample", "generate text from a saved run (KV-cached ODE solve)"),
+    "eval": Command("ode_lm.commands.eval", "loss and perplexity of a saved run at any "
+                    "steps/solver, or lm-eval tasks"),
+    "sample": Command("ode_lm.commands.sample", "generate text from a saved run (KV-cached ODE "
+                      "solve)"),
     "prepare": Command("ode_lm.commands.prepare", "tokenize raw text into ArrayRecord shards "
                        "and a manifest (resumable)"),
     "export": Command("ode_lm.commands.export", "export a checkpoint: raw safetensors, or "

@@ -80,7 +80,7 @@ class Report:
 
 
 def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
-    """The run's configs, exactly as ``python -m ode_lm.train`` would parse them."""
+    """The run's configs, exactly as ``python -m ode_lm.commands.train`` would parse them."""
     from ode_lm import gin_setup
 
     flags = gin_setup.parse_flags([*(f"--gin_file={f}" for f in gin_files), *bindings])

@@ -76,7 +76,8 @@ class Run:
     bindings: tuple[tuple[str, Any], ...]
 
     def gin_flags(self) -> list[str]:
-        """Flags for ``python -m ode_lm.train`` (and launch/tpu_vm.sh, which passes them on)."""
+        """Flags for ``python -m ode_lm.commands.train`` (and launch/tpu_vm.sh, which passes
+        them on)."""
         flags = [f"--gin_file={f}" for f in self.gin_files]
         flags += [f"--gin.{k}={gin_literal(v)}" for k, v in self.bindings]
         return flags
@@ -187,7 +188,7 @@ def write_manifest(spec: SweepSpec, runs: list[Run], root: str) -> str:
 
 
 def train_argv(run: Run) -> list[str]:
-    return [sys.executable, "-m", "ode_lm.train", *run.gin_flags()]
+    return [sys.executable, "-m", "ode_lm.commands.train", *run.gin_flags()]
 
 
 def launch_command(run: Run, tpu: str, zone: str, project: str | None = None,

@@ -1,5 +1,5 @@
 """``ode-lm train --gin_file=configs/runs/demo.gin [--gin.NAME=VALUE ...]``
-(also ``python -m ode_lm.train``, ``ode-lm-train``).
+(also ``python -m ode_lm.commands.train``, ``ode-lm-train``).
 
 Thin CLI: flags → gin → :func:`ode_lm.gin_setup.train`. User errors print one line
 and exit 2 (a command line that does not parse) or 1 (bad gin value, bad mesh, bad MODEL_DIR,

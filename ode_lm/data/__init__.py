@@ -6,7 +6,7 @@ Public API (see WORKSPACE.md "Data"): ``DataConfig``, ``get_tokenizer``, ``padde
 """
 
 from ode_lm.data.config import DataConfig
-from ode_lm.data.eval import check_eval_split, make_eval_batches, make_eval_iterator
+from ode_lm.data.eval_sets import check_eval_split, make_eval_batches, make_eval_iterator
 from ode_lm.data.pipeline import to_global_batch
 from ode_lm.data.prepare import (
     PreparedDataError,

@@ -1,4 +1,4 @@
-"""The eval of a run at one or several settings, shared by ``Trainer.evaluate`` and ``ode_lm.eval``.
+"""The eval of a run at one or several settings, shared by ``Trainer.evaluate`` and ``ode-lm eval``.
 
 One naming for both (``metric_suffix``, the one function that names eval figures), so a
 TensorBoard tag, a metrics row's key, a fine-tune result's key and the eval CLI's

@@ -284,7 +284,7 @@ class EvalResult:
 def run_eval(eval_step: Callable, params: Any, batches: Any,
              what: str = "the eval pipeline", *, total: int | None = None,
              label: str = "eval") -> EvalResult:
-    """The one token-weighted eval loop (trainer, ``ode_lm.eval``, the depth report).
+    """The one token-weighted eval loop (trainer, ``ode_lm.commands.eval``, the depth report).
 
     With ``total`` (batches expected) long passes show ``metrics.Progress``'s line with an
     ETA; any batch whose adaptive solve hit the step cap is reported in one warning line."""
