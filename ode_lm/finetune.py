@@ -27,7 +27,8 @@ import numpy as np
 from flax import nnx
 
 from ode_lm.config_types import check_types
-from ode_lm.lora import LoRAModel, LoRASpec, count_params, lora_model_fn, lora_trainable
+from ode_lm.lora import LoRAModel, LoRASpec, lora_model_fn, lora_trainable
+from ode_lm.models.accounting import param_count
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
 from ode_lm.training.evaluation import EvalHook
@@ -197,7 +198,7 @@ def run_finetune(cfg: FinetuneConfig, data: Any, train_config: TrainConfig, *,
     model_fn = make_model_fn(model_config, cfg)  # LoRA targets are checked right here:
     abstract = nnx.eval_shape(lambda: model_fn(nnx.Rngs(0)))
     trainable = lora_trainable(cfg.train_embeddings) if cfg.method == "lora" else None
-    n_train, n_total = count_params(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)), trainable)
+    n_train, n_total = (param_count(abstract, trainable)[k] for k in ("trainable", "total"))
     print_fn(f"fine-tuning {cfg.pretrained_dir} (step {step}) at M={cfg.num_steps} "
              f"[{cfg.mode}, {cfg.method}]: {n_train:,} trainable of {n_total:,} parameters "
              f"({100.0 * n_train / n_total:.2f}%)")

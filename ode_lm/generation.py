@@ -54,8 +54,8 @@ def stage_weights(model: nnx.Module, num_steps: int, solver: str):
     from ode_lm.models.lm import DiffEqFormer
 
     if isinstance(model, DiffEqFormer):
-        times = solvers.evaluation_times(num_steps, solver)
-        return jax.vmap(jax.vmap(model.weights_at))(times), 1.0 / num_steps, solver
+        grid = solvers.FixedGrid(num_steps)
+        return jax.vmap(jax.vmap(model.weights_at))(grid.times(solver)), grid.dt, solver
     blocks = getattr(model, "blocks", None)
     if blocks is None or model.config.architecture != "parallel":
         raise TypeError(
@@ -245,25 +245,3 @@ def generate(
                     solver=solver, temperature=float(temperature), top_p=float(top_p),
                     vocab_limit=vocab_limit)
     return np.asarray(out)
-
-
-def greedy_uncached(model: nnx.Module, prompt: Sequence[int], max_new_tokens: int, *,
-                    num_steps: int | None = None, solver: str | None = None,
-                    rtol: float | None = None, atol: float | None = None) -> np.ndarray:
-    """Reference decoding: the full forward over the whole sequence for every new token.
-
-    The sequence lives in a fixed [1, P + max_new_tokens] buffer (causal attention makes the
-    unused tail irrelevant to earlier positions), so the forward compiles once.
-    """
-    n = len(prompt)
-    buf = np.zeros((1, n + max_new_tokens), np.int32)
-    buf[0, :n] = prompt
-
-    @nnx.jit
-    def fwd(m, tokens):
-        return m(tokens, num_steps=num_steps, solver=solver, rtol=rtol, atol=atol)[0]
-
-    for i in range(max_new_tokens):
-        logits = fwd(model, jnp.asarray(buf))
-        buf[0, n + i] = int(jnp.argmax(logits[n + i - 1]))
-    return buf[0, n:].copy()

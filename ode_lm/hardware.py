@@ -1,7 +1,7 @@
 """Per-chip accelerator facts: THE one table of peak FLOP/s, HBM and interconnect bandwidth.
 
-Read by the trainer's MFU (``ode_lm.training.metrics``) and by the TPU AOT report
-(``ode-lm aot``: memory fit and the roofline estimate). Public vendor figures:
+Read by the trainer's MFU (``ode_lm.training.metrics``, through ``chip_spec``) and by the
+TPU AOT report (``ode-lm aot``: memory fit and the roofline estimate). Public vendor figures:
 Cloud TPU system-architecture pages (v4, v5e, v5p, v6e) and NVIDIA data sheets (SXM parts).
 ICI bandwidth is the chip's total interconnect bandwidth (all links, both directions, as
 the vendors quote it); for GPUs it is NVLink.
@@ -27,6 +27,10 @@ class ChipSpec:
     hbm_bytes: int
     hbm_bandwidth: float  # bytes/s
     ici_bandwidth: float  # bytes/s per chip
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak FLOP/s for matmuls in ``dtype`` ('float32', else bf16)."""
+        return self.peak_fp32_flops if dtype == "float32" else self.peak_bf16_flops
 
 
 # Keys are lower-case substrings of ``jax.Device.device_kind``; the longest match wins
@@ -55,8 +59,3 @@ def chip_spec(device_kind: str) -> ChipSpec | None:
         if name in kind:
             return CHIP_SPECS[name]
     return None
-
-
-def peak_flops_table() -> dict[str, tuple[float, float]]:
-    """device_kind substring -> (bf16, fp32) peak FLOP/s: the metrics' view of the table."""
-    return {k: (s.peak_bf16_flops, s.peak_fp32_flops) for k, s in CHIP_SPECS.items()}

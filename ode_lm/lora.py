@@ -24,7 +24,6 @@ import math
 import re
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -32,7 +31,6 @@ from ode_lm.config_types import check_types
 from ode_lm.models.common import mesh_active
 from ode_lm.models.config import ModelConfig
 from ode_lm.models.vector_field import dense_specs
-from ode_lm.partitioning import path_name
 
 LORA_COLLECTION = "lora"
 LORA_RANK_AXIS = "lora_rank"  # logical axis of the rank r (replicated: r is small)
@@ -185,17 +183,6 @@ def lora_trainable(train_embeddings: bool = False):
         return train_embeddings and bool(emb.search(path))
 
     return trainable
-
-
-def count_params(params: Any, trainable=None) -> tuple[int, int]:
-    """(trainable, total) parameter counts of a params pure dict."""
-    total = train = 0
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        n = int(leaf.size)
-        total += n
-        if trainable is None or trainable(path_name(path), leaf):
-            train += n
-    return train, total
 
 
 def lora_spec_from_dict(d: dict[str, Any]) -> LoRASpec:

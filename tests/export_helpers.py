@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import model_helpers
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
+from model_helpers import LIVELY
 
 from ode_lm import partitioning
 from ode_lm.models import ModelConfig, build_model
@@ -15,11 +17,8 @@ from ode_lm.training.run_dir import RunDir
 
 
 def tiny_config(flavour: str, **kw) -> ModelConfig:
-    base = dict(flavour=flavour, vocab_size=64, d_model=32, num_heads=2, max_seq_len=32,
-                num_steps=3, sinusoidal_dim=8, time_embed_dim=4, rotary_fraction=0.5,
-                init_std=0.2)
-    base.update(kw)
-    return ModelConfig(**base)
+    """The LIVELY tiny model of ``flavour`` (model_helpers)."""
+    return model_helpers.tiny_config(LIVELY, flavour=flavour, **kw)
 
 
 def make_run(model_dir: str, config: ModelConfig, step: int = 5, seed: int = 0):

@@ -5,11 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import tiny_model
 from numerics import F32_EPS
 
 from ode_lm.analysis import model_access
 from ode_lm.analysis.trajectory import trajectory
-from ode_lm.models import ModelConfig, build_model
 from ode_lm.models.common import attention_mask
 from ode_lm.models.vector_field import parallel_residual, sequential_residual
 
@@ -17,9 +17,8 @@ TOKENS = np.array([4, 1, 30, 7, 12, 50])
 
 
 def _baseline(architecture: str, flavour: str):
-    cfg = ModelConfig(architecture=architecture, flavour=flavour, vocab_size=64, d_model=16,
-                      num_heads=2, num_layers=3, max_seq_len=16, init_std=0.2)
-    return build_model(cfg, nnx.Rngs(0))
+    return tiny_model(architecture=architecture, flavour=flavour, d_model=16, num_layers=3,
+                      max_seq_len=16, init_std=0.2)
 
 
 @pytest.fixture(scope="module", params=[("sequential", "gpt2"), ("parallel", "llama")])

@@ -6,18 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import tiny_model
 from numerics import F32_EPS, f32_atol
 
 from ode_lm.analysis import model_access
 from ode_lm.analysis.trajectory import states_at, trajectory
-from ode_lm.models import ModelConfig, build_model
 
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(vocab_size=64, d_model=16, num_heads=2, num_steps=3, time_embed_dim=4,
-                      sinusoidal_dim=8, max_seq_len=16)
-    m = build_model(cfg, nnx.Rngs(0))
+    m = tiny_model(d_model=16, max_seq_len=16, num_steps=3, sinusoidal_dim=8)
     # Make the time dependence visible: untrained hypernetworks start near W0 at every t.
     graphdef, state = nnx.split(m)
     leaves, treedef = jax.tree.flatten(state)

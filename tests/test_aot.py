@@ -148,7 +148,9 @@ def expected_params(gin_flags: list[str]) -> tuple[int, int]:
     params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(
         lambda: build_model(cfg["model"], nnx.Rngs(0))), nnx.Param))
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
-    return count(params), count(params["block"])
+    # the hypernetwork: the block's generated maps, without its norms (accounting.param_count)
+    return count(params), count({k: v for k, v in params["block"].items()
+                                 if k not in ("norm1", "norm2")})
 
 
 @needs_libtpu

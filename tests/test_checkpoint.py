@@ -12,17 +12,16 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import tiny_config
 
 from ode_lm.data import DataConfig
-from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.saved_run import load_model
 from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer
 
-MODEL = ModelConfig(vocab_size=384, d_model=32, num_heads=2, num_steps=2, max_seq_len=32,
-                    time_embed_dim=4, sinusoidal_dim=4)
+MODEL = tiny_config(vocab_size=384)
 
 
 @pytest.fixture(scope="module")

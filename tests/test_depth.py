@@ -8,10 +8,12 @@ import json
 
 import jax
 import jax.numpy as jnp
+import model_helpers
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from model_helpers import LIVELY, greedy_uncached
 
 from ode_lm import partitioning
 from ode_lm.gin_setup import GinRecord
@@ -66,9 +68,7 @@ def test_traced_num_steps_matches_static(solver):
 
 
 def tiny_config(**kw) -> ModelConfig:
-    base = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=16, num_steps=3,
-                sinusoidal_dim=8, time_embed_dim=4, init_std=0.2)
-    return ModelConfig(**{**base, **kw})
+    return model_helpers.tiny_config(LIVELY, max_seq_len=16, **kw)
 
 
 @pytest.mark.slow
@@ -151,7 +151,7 @@ def test_smoothness_separates_paper_and_smooth_time_features():
 
 @pytest.mark.slow
 def test_adaptive_generation_equals_uncached_greedy():
-    from ode_lm.generation import generate, greedy_uncached
+    from ode_lm.generation import generate
 
     model = build_model(tiny_config(), nnx.Rngs(0))
     out = generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=4, solver="adaptive", rtol=1e-2)

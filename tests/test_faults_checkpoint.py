@@ -21,10 +21,10 @@ import jax
 import numpy as np
 import pytest
 from data_helpers import micro_cli_gin
+from model_helpers import tiny_config
 from orbax.checkpoint._src.serialization import serialization as orbax_serialization
 
 from ode_lm.data import DataConfig, ensure_prepared
-from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import run_lock
 from ode_lm.training.optim import OptimizerConfig
@@ -36,8 +36,7 @@ from ode_lm.training.trainer import (
     default_train_data,
 )
 
-MODEL = ModelConfig(vocab_size=384, d_model=32, num_heads=2, num_steps=2, max_seq_len=32,
-                    time_embed_dim=4, sinusoidal_dim=4)
+MODEL = tiny_config(vocab_size=384)
 DISK_FULL = ("RESOURCE_EXHAUSTED: Error writing local file: No space left on device "
              "[OS error: No space left on device]")  # what tensorstore raises on ENOSPC
 

@@ -4,16 +4,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import LIVELY, greedy_uncached, tiny_model
 
-from ode_lm.generation import generate, greedy_uncached, left_pad, sample_token
-from ode_lm.models import ModelConfig, build_model
+from ode_lm.generation import generate, left_pad, sample_token
 
 
 def tiny(flavour: str, **kw) -> nnx.Module:
-    cfg = ModelConfig(flavour=flavour, vocab_size=61, d_model=32, num_heads=2, max_seq_len=32,
-                      num_steps=3, sinusoidal_dim=8, time_embed_dim=4, rotary_fraction=0.5,
-                      init_std=0.2, **kw)
-    return build_model(cfg, nnx.Rngs(0))
+    return tiny_model(LIVELY, flavour=flavour, vocab_size=61, **kw)
 
 
 @pytest.mark.parametrize("flavour,solver,steps", [

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from data_helpers import MICRO_MODEL_GIN
+from multihost_helpers import free_port, result_line, worker_env
 
 from ode_lm import distributed
 
@@ -155,7 +156,6 @@ WORKER = textwrap.dedent("""
 
 
 def start_job(script: Path, model_dir: Path, port: int) -> list[subprocess.Popen]:
-    from test_multihost import worker_env
 
     return [subprocess.Popen([sys.executable, str(script), str(model_dir), str(STEPS),
                               str(HEARTBEAT_S)], env=worker_env(pid, 2, 4, port),
@@ -191,7 +191,6 @@ def losses(model_dir: Path) -> dict[int, float]:
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DISTRIBUTED, reason="jax.distributed runtime not available")
 def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_path):
-    from test_multihost import free_port, result_line
 
     from ode_lm.training.checkpoint import tree_equal
     from ode_lm.training.saved_run import load_model

@@ -12,11 +12,11 @@ from flax import nnx
 from ode_lm.lora import (
     LoRAModel,
     LoRASpec,
-    count_params,
     lora_trainable,
     merge_lora,
 )
 from ode_lm.models import build_model
+from ode_lm.models.accounting import param_count
 from ode_lm.models.materialize import materialize
 from ode_lm.training.optim import path_name
 
@@ -72,11 +72,13 @@ def test_gradients_reach_lora_factors_and_counts():
     lora = LoRAModel(build_model(cfg, nnx.Rngs(0)), cfg, LoRASpec(rank=4), nnx.Rngs(1))
     params = nnx.to_pure_dict(nnx.state(lora, nnx.Param))
     pred = lora_trainable(train_embeddings=False)
-    n_train, n_total = count_params(params, pred)
+    counts = param_count(params, pred)
+    n_train, n_total = counts["trainable"], counts["total"]
     lora_sizes = sum(int(x.size) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
                      if path_name(p).startswith("lora/"))
-    assert n_train == lora_sizes and 0 < n_train < n_total
-    with_emb, _ = count_params(params, lora_trainable(train_embeddings=True))
+    assert n_train == lora_sizes == counts["lora"] and 0 < n_train < n_total
+    assert n_total == param_count(lora.base)["total"] + lora_sizes
+    with_emb = param_count(lora, lora_trainable(train_embeddings=True))["trainable"]
     assert with_emb == n_train + 64 * 32 + 32 * 32  # token + position embeddings (tied head)
 
     def loss(model):

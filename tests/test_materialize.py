@@ -5,13 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import TINY, tiny_config, tiny_model
 
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.models.baselines import ParallelLM
 from ode_lm.models.materialize import materialize
 
-TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_steps=3,
-            time_embed_dim=4, sinusoidal_dim=4)
+THREE = dict(TINY, num_steps=3)
 
 
 def perturbed(config: ModelConfig, scale: float = 0.05):
@@ -26,7 +26,7 @@ def perturbed(config: ModelConfig, scale: float = 0.05):
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama", "neox"])
 def test_materialize_matches_ode_at_m_equal_and_unequal_n(flavour):
-    model = perturbed(ModelConfig(flavour=flavour, **TINY))
+    model = perturbed(tiny_config(THREE, flavour=flavour))
     x = jax.random.randint(jax.random.key(0), (2, 12), 0, 64)
     odes = {}
     for m in (3, 5):  # M = N (the config default) and M ≠ N
@@ -41,7 +41,7 @@ def test_materialize_matches_ode_at_m_equal_and_unequal_n(flavour):
 
 
 def test_materialize_rejects_bad_arguments():
-    model = build_model(ModelConfig(**TINY), nnx.Rngs(0))
+    model = tiny_model(THREE)
     with pytest.raises(ValueError, match="solver='rk4'"):
         materialize(model, 4, solver="rk4")
     with pytest.raises(ValueError, match="num_steps=0"):

@@ -7,17 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import TINY, tiny_model
 from numerics import dot_bound
 
-from ode_lm.models import ModelConfig, build_model
-
-TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_steps=2,
-            time_embed_dim=4, sinusoidal_dim=4)
+from ode_lm.models import ModelConfig
 
 
 @functools.cache
-def tiny_model(flavour: str, **kw):
-    return build_model(ModelConfig(flavour=flavour, **TINY, **kw), nnx.Rngs(0))
+def cached_model(flavour: str):
+    """One tiny model per flavour for the whole file (building it dominates these tests)."""
+    return tiny_model(flavour=flavour)
 
 
 @nnx.jit(static_argnames=("num_steps", "solver"))
@@ -31,7 +30,7 @@ def tokens(b=2, t=12, seed=0):
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama", "neox"])
 def test_shapes_dtypes_every_solver(flavour):
-    model = tiny_model(flavour)
+    model = cached_model(flavour)
     x = tokens()
     outs = {}
     for solver in ("euler", "midpoint", "rk4"):
@@ -48,7 +47,7 @@ def test_shapes_dtypes_every_solver(flavour):
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_causality(flavour):
-    model = tiny_model(flavour)
+    model = cached_model(flavour)
     x = tokens(b=1, t=12)
     j = 7
     x2 = x.at[0, j].set((x[0, j] + 1) % TINY["vocab_size"])
@@ -59,7 +58,7 @@ def test_causality(flavour):
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama", "neox"])
 def test_packed_row_equals_documents_alone(flavour):
-    model = tiny_model(flavour)
+    model = cached_model(flavour)
     doc_a, doc_b = tokens(b=1, t=5, seed=1), tokens(b=1, t=7, seed=2)
     packed = jnp.concatenate([doc_a, doc_b, jnp.zeros((1, 2), jnp.int32)], axis=1)
     seg = jnp.asarray([[1] * 5 + [2] * 7 + [0] * 2])
@@ -71,7 +70,7 @@ def test_packed_row_equals_documents_alone(flavour):
 
 
 def test_num_steps_per_call_changes_the_solve():
-    model = tiny_model("gpt2")
+    model = cached_model("gpt2")
     x = tokens()
     y2, y8 = forward(model, x, num_steps=2), forward(model, x, num_steps=8)
     assert y2.shape == y8.shape
@@ -91,7 +90,7 @@ def test_bad_config_values(kw, msg):
 
 
 def test_bad_call_arguments():
-    model = tiny_model("gpt2")
+    model = cached_model("gpt2")
     with pytest.raises(ValueError, match="solver='rk45'"):
         model(tokens(), solver="rk45")
     with pytest.raises(ValueError, match="num_steps=0"):

@@ -4,19 +4,19 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import TINY, tiny_config, tiny_model
 
-from ode_lm.models import ModelConfig, build_model, weights_at
+from ode_lm.models import weights_at
 from ode_lm.models.baselines import ParallelLM, SequentialLM
 
-TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_layers=2,
-            num_steps=2, time_embed_dim=4, sinusoidal_dim=4)
+BASELINE = dict(TINY, num_layers=2)
 
 
 @pytest.mark.parametrize("arch, flavour, cls", [("sequential", "gpt2", SequentialLM),
                                                 ("sequential", "llama", SequentialLM),
                                                 ("parallel", "neox", ParallelLM)])
 def test_discrete_baselines_shapes_and_causality(arch, flavour, cls):
-    model = build_model(ModelConfig(architecture=arch, flavour=flavour, **TINY), nnx.Rngs(0))
+    model = tiny_model(BASELINE, architecture=arch, flavour=flavour)
     assert isinstance(model, cls)
     x = jax.random.randint(jax.random.key(0), (1, 10), 0, 64)
     y = np.asarray(model(x, num_steps=7))  # num_steps is ignored by discrete models
@@ -28,7 +28,7 @@ def test_discrete_baselines_shapes_and_causality(arch, flavour, cls):
 
 
 def test_autonomous_ode_has_constant_weights():
-    model = build_model(ModelConfig(time_dependent=False, **TINY), nnx.Rngs(0))
+    model = tiny_model(BASELINE, time_dependent=False)
     w0, w1 = weights_at(model, 0.1), weights_at(model, 0.9)
     for k in w0:
         np.testing.assert_array_equal(np.asarray(w0[k]), np.asarray(w1[k]))
@@ -38,4 +38,4 @@ def test_autonomous_ode_has_constant_weights():
 
 def test_architecture_mismatch_is_a_clear_error():
     with pytest.raises(ValueError, match="architecture='ode'"):
-        ParallelLM(ModelConfig(**TINY), nnx.Rngs(0))
+        ParallelLM(tiny_config(BASELINE), nnx.Rngs(0))

@@ -6,19 +6,17 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from model_helpers import tiny_config
 
-from ode_lm.models import ModelConfig, build_model
+from ode_lm.models import build_model
 from ode_lm.partitioning import LOGICAL_AXIS_RULES, MESH_AXES
-
-TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_steps=2,
-            time_embed_dim=4, sinusoidal_dim=4)
 
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 def test_sharded_logits_equal_unsharded(flavour):
     if jax.device_count() < 8:
         pytest.skip("needs 8 (simulated) devices")
-    cfg = ModelConfig(flavour=flavour, **TINY)
+    cfg = tiny_config(flavour=flavour)
     x = jax.random.randint(jax.random.key(0), (4, 16), 0, 64)
     plain = build_model(cfg, nnx.Rngs(0))
     expected = np.asarray(plain(x))

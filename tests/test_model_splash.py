@@ -10,20 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import TINY, tiny_config
 
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.models.common import attention_impl
 from ode_lm.training.run_dir import RunDir
 
 # The kernel tiles the sequence in 128-row blocks: T = 128 is the smallest length it takes.
-TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=128, num_steps=2,
-            time_embed_dim=4, sinusoidal_dim=4)
+LONG = dict(TINY, max_seq_len=128)
 T = 128
 
 
 def packed_batch():
     """Row 0: three documents (positions restart); row 1: one document."""
-    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, TINY["vocab_size"])
+    tokens = jax.random.randint(jax.random.key(0), (2, T), 0, LONG["vocab_size"])
     lengths = (40, 60, 28)
     seg0 = np.repeat(np.arange(1, 4), lengths)
     pos0 = np.concatenate([np.arange(n) for n in lengths])
@@ -33,7 +33,7 @@ def packed_batch():
 
 
 def test_auto_is_the_default_and_resolves_to_xla_on_cpu():
-    cfg = ModelConfig(**TINY)
+    cfg = tiny_config(LONG)
     assert cfg.attention_impl == "auto"
     assert jax.default_backend() == "cpu"
     assert attention_impl(cfg, T) == "xla"
@@ -47,7 +47,7 @@ def test_unknown_attention_impl_is_a_one_line_error():
 
 
 def test_old_model_config_json_without_the_field_loads(tmp_path):
-    fields = dataclasses.asdict(ModelConfig(**TINY))
+    fields = dataclasses.asdict(tiny_config(LONG))
     del fields["attention_impl"]
     (tmp_path / "model_config.json").write_text(json.dumps(fields))
     assert RunDir(str(tmp_path)).model_config().attention_impl == "auto"
@@ -57,7 +57,7 @@ def test_old_model_config_json_without_the_field_loads(tmp_path):
 def test_splash_matches_xla_on_a_packed_batch():
     """fp32: both forms compute the same softmax over the same keys; the kernel's online
     softmax only reassociates the sums (observed differences ~1e-7 of logits ~0.4)."""
-    cfg = ModelConfig(**TINY)
+    cfg = tiny_config(LONG)
     model = build_model(cfg, nnx.Rngs(0))
     splash = nnx.merge(nnx.graphdef(build_model(cfg.replace(attention_impl="splash"),
                                                 nnx.Rngs(0))), nnx.state(model))
@@ -68,7 +68,7 @@ def test_splash_matches_xla_on_a_packed_batch():
 
 
 def test_splash_needs_a_length_in_whole_tiles():
-    cfg = ModelConfig(**{**TINY, "attention_impl": "splash"})
+    cfg = tiny_config(LONG, attention_impl="splash")
     model = build_model(cfg, nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"attention_impl='splash'.*multiple of 128"):
         model(jnp.zeros((1, 96), jnp.int32))

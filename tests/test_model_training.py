@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from model_helpers import TINY, tiny_config, tiny_model
 from numerics import f32_atol
 
-from ode_lm.models import ModelConfig, build_model, weights_at
+from ode_lm.models import build_model, weights_at
 from ode_lm.models.common import normal_init
 
-TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_steps=3,
-            time_embed_dim=4, sinusoidal_dim=4)
+THREE = dict(TINY, num_steps=3)
 
 
 def loss_fn(model, x, **kw):
@@ -35,7 +35,7 @@ def tokens(b=2, t=13, seed=0, vocab=64):
 @pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 @pytest.mark.slow
 def test_gradients_finite_and_nonzero_for_every_hypernetwork_param(flavour):
-    model = build_model(ModelConfig(flavour=flavour, **TINY), nnx.Rngs(0))
+    model = tiny_model(THREE, flavour=flavour)
     g = flat_grads(model, tokens())
     assert all(np.isfinite(v).all() for v in g.values())
     hyper = {k: v for k, v in g.items() if k.startswith("block/")}
@@ -63,16 +63,16 @@ def test_normal_init_is_jax_random_normal():
     key = jax.random.key(3)
     ours = np.asarray(normal_init(0.02)(key, (6, 7)))
     np.testing.assert_array_equal(ours, np.asarray(nnx.initializers.normal(0.02)(key, (6, 7))))
-    a = build_model(ModelConfig(**TINY), nnx.Rngs(0)).embeddings.token[...]
-    b = build_model(ModelConfig(**TINY), nnx.Rngs(params=0)).embeddings.token[...]
-    c = build_model(ModelConfig(**TINY), nnx.Rngs(1)).embeddings.token[...]
+    a = tiny_model(THREE).embeddings.token[...]
+    b = build_model(tiny_config(THREE), nnx.Rngs(params=0)).embeddings.token[...]
+    c = build_model(tiny_config(THREE), nnx.Rngs(1)).embeddings.token[...]
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))
 
 
 @pytest.mark.slow
 def test_generated_weights_have_baseline_init_scale_at_every_t():
-    cfg = ModelConfig(**{**TINY, "d_model": 64, "time_embed_dim": 8, "sinusoidal_dim": 16})
+    cfg = tiny_config(THREE, d_model=64, time_embed_dim=8, sinusoidal_dim=16)
     model = build_model(cfg, nnx.Rngs(0))
     ts = jnp.linspace(0.0, 1.0, 11)
     ws = jax.vmap(lambda t: weights_at(model, t))(ts)
@@ -86,17 +86,17 @@ def test_generated_weights_have_baseline_init_scale_at_every_t():
 
 @pytest.mark.parametrize("flavour", ["gpt2", "llama", "neox"])
 def test_initial_loss_is_about_ln_vocab(flavour):
-    cfg = ModelConfig(flavour=flavour, **{**TINY, "vocab_size": 512})
+    cfg = tiny_config(THREE, flavour=flavour, vocab_size=512)
     model = build_model(cfg, nnx.Rngs(1))
     loss = float(loss_fn(model, tokens(b=4, t=17, vocab=512)))
     assert abs(loss - math.log(512)) < 0.1 * math.log(512), loss
 
 
 def test_bf16_forward_close_to_fp32():
-    model = build_model(ModelConfig(**TINY), nnx.Rngs(0))
+    model = tiny_model(THREE)
     x = tokens()
     y32 = np.asarray(model(x))
-    model16 = nnx.merge(nnx.graphdef(build_model(ModelConfig(**TINY, dtype="bfloat16"),
+    model16 = nnx.merge(nnx.graphdef(build_model(tiny_config(THREE, dtype="bfloat16"),
                                                  nnx.Rngs(0))), nnx.state(model))
     y16 = model16(x)
     assert y16.dtype == jnp.float32
@@ -106,7 +106,7 @@ def test_bf16_forward_close_to_fp32():
 
 @pytest.mark.slow
 def test_precompute_and_remat_policies_match_in_scan():
-    base = ModelConfig(**TINY, weight_generation="in_scan")
+    base = tiny_config(THREE, weight_generation="in_scan")
     model = build_model(base, nnx.Rngs(0))
     x = tokens()
     ref = flat_grads(model, x)
@@ -126,7 +126,7 @@ def test_precompute_and_remat_policies_match_in_scan():
 
 
 def test_random_grid_offset_only_in_training_mode():
-    cfg = ModelConfig(**TINY, random_grid_offset=True)
+    cfg = tiny_config(THREE, random_grid_offset=True)
     model = build_model(cfg, nnx.Rngs(0))
     x = tokens()
     det = np.asarray(model(x))
@@ -136,6 +136,6 @@ def test_random_grid_offset_only_in_training_mode():
     assert np.abs(a - det).max() < 0.5  # a shift of the grid, not a different model
     with pytest.raises(ValueError, match="rngs"):
         model(x, deterministic=False)
-    plain = nnx.merge(nnx.graphdef(build_model(ModelConfig(**TINY), nnx.Rngs(0))),
+    plain = nnx.merge(nnx.graphdef(tiny_model(THREE)),
                       nnx.state(model))
     np.testing.assert_array_equal(np.asarray(plain(x, deterministic=False)), det)

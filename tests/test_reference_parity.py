@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from ode_lm.models.reference import load_qkvflow_reference, reference_param_paths
+from reference_model import load_qkvflow_reference, reference_param_paths
 
 
 @pytest.fixture(scope="module")

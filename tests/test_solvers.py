@@ -41,7 +41,7 @@ def test_euler_uses_end_time_and_trajectory():
     assert abs(float(x) - 10 / 16) < 1e-6
     assert traj.shape == (5,) and float(traj[0]) == 0.0
     np.testing.assert_allclose(np.asarray(traj), np.cumsum([0, 1, 2, 3, 4]) / 16, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(solvers.evaluation_times(4, "euler"))[:, 0],
+    np.testing.assert_allclose(np.asarray(solvers.FixedGrid(4).times("euler"))[:, 0],
                                [0.25, 0.5, 0.75, 1.0])
 
 

@@ -16,6 +16,7 @@ from flax import nnx
 
 from ode_lm import cli
 from ode_lm.models import ModelConfig, build_model
+from ode_lm.models.config import REMAT
 
 
 def _loss(model, x):
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--time_embed_dim", type=int, default=20)
-    p.add_argument("--remat", default="none", choices=("none", "full", "dots_saveable"))
+    p.add_argument("--remat", default="none", choices=REMAT)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     if min(args.d_model, args.steps, args.batch, args.seq, args.repeats) < 1:

@@ -89,13 +89,6 @@ def depth_curve(evaluate: Callable[..., Any], *, num_steps: Sequence[int] = DEFA
     return {"ppl": ppl, "nfe": nfe, "adaptive": adaptive}
 
 
-def relative_spread(report: dict[str, Any], solver: str, reference: float,
-                    num_steps: Sequence[int]) -> float:
-    """max over N of |ppl(solver, N) / reference − 1| (the depth targets' figure)."""
-    vals = [report["ppl"][solver][str(n)] for n in num_steps if str(n) in report["ppl"][solver]]
-    return max(abs(v / reference - 1.0) for v in vals)
-
-
 def write_csv(reports: dict[str, dict[str, Any]], path) -> pathlib.Path:
     """One row per (run, solver, N or rtol): perplexity and NFE."""
     path = pathlib.Path(path)

@@ -57,11 +57,13 @@ def _solver_step(field: Callable, solver: str, position: int, chunk_size: int | 
                  split: tuple[Callable, Callable] | None = None):
     """A jitted step: (x_k, t_k, dt, args) -> (x_{k+1}, stage Jacobian rows ``[S, T, d, d]``).
 
-    The stage times and states are those of the model's solvers: Euler evaluates the field at
-    the step's *end* time t_k + dt (the paper's convention); midpoint and RK4 are the classic
-    tableaus. With ``split = (mixing, local)`` the Jacobian row is that of the mixing part
-    plus the single-token Jacobian of the local part, added to the block of ``position``.
+    The step is the model solvers' own ``rk_step`` on the solver's tableau (Euler evaluates
+    the field at the step's *end* time t_k + dt, the paper's convention), and the Jacobian
+    rows are taken at the stage states and times it visits. With ``split = (mixing, local)``
+    the Jacobian row is that of the mixing part plus the single-token Jacobian of the local
+    part, added to the block of ``position``.
     """
+    tab = solvers.tableau(solver)
 
     def step(x, t, dt, args):
         def f(y, s):
@@ -75,22 +77,14 @@ def _solver_step(field: Callable, solver: str, position: int, chunk_size: int | 
             own = jax.jacfwd(lambda v: local(v, s, *args))(y[position])
             return rows.at[position].add(own)
 
-        if solver == "euler":
-            t1 = t + dt
-            return x + dt * f(x, t1), jac(x, t1)[None]
-        if solver == "midpoint":
-            xm, tm = x + 0.5 * dt * f(x, t), t + 0.5 * dt
-            return x + dt * f(xm, tm), jnp.stack([jac(x, t), jac(xm, tm)])
-        th = t + 0.5 * dt
-        k1 = f(x, t)
-        x2 = x + 0.5 * dt * k1
-        k2 = f(x2, th)
-        x3 = x + 0.5 * dt * k2
-        k3 = f(x3, th)
-        x4 = x + dt * k3
-        k4 = f(x4, t + dt)
-        new = x + dt / 6.0 * (k1 + 2 * k2 + 2 * k3 + k4)
-        return new, jnp.stack([jac(x, t), jac(x2, th), jac(x3, th), jac(x4, t + dt)])
+        stages = []  # (state, time) of every stage, in order
+
+        def stage_field(y, s, _stage):
+            stages.append((y, s))
+            return f(y, s)
+
+        new, _ = solvers.rk_step(stage_field, x, t, dt, tab)
+        return new, jnp.stack([jac(y, s) for y, s in stages])
 
     return jax.jit(step)
 

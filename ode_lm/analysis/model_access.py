@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from ode_lm.models.common import apply_norm, attention_mask, compute_dtype
+from ode_lm.models.common import attention_mask
 from ode_lm.models.config import ModelConfig
 from ode_lm.models.vector_field import (
     attention_branch,
+    block_norm,
     mlp_branch,
     parallel_residual,
     sequential_residual,
@@ -99,22 +100,19 @@ def ode_split(model) -> tuple[Callable, Callable]:
     """
     graphdef, _ = nnx.split(model)
     cfg = model.config
-    cdt = compute_dtype(cfg)
-
-    def norm(w, name, x):
-        return apply_norm(cfg, x, w[f"{name}_scale"], w.get(f"{name}_bias")).astype(cdt)
 
     def mixing(x, t, state, positions):
         w = nnx.merge(graphdef, state).weights_at(t)
         mask = attention_mask(jnp.ones((1, x.shape[0]), jnp.int32))
-        h = norm(w, "norm1", x[None])
+        h = block_norm(cfg, w, "norm1", x[None])
         out, _ = attention_branch(cfg, w, h, positions[None], mask)
         return out[0].astype(jnp.float32)
 
     def local(v, t, state, positions):
         del positions
         w = nnx.merge(graphdef, state).weights_at(t)
-        return mlp_branch(cfg, w, norm(w, "norm2", v[None, None]))[0, 0].astype(jnp.float32)
+        h = block_norm(cfg, w, "norm2", v[None, None])
+        return mlp_branch(cfg, w, h)[0, 0].astype(jnp.float32)
 
     return mixing, local
 

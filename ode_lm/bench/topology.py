@@ -32,7 +32,7 @@ class Chip:
         return self.spec.peak_bf16_flops
 
     def peak_flops(self, dtype: str) -> float:
-        return self.spec.peak_fp32_flops if dtype == "float32" else self.spec.peak_bf16_flops
+        return self.spec.peak_flops(dtype)
 
 
 def _chip(gen: str, cores_in_name: int, dims: int, config: str | None = None) -> Chip:

@@ -27,6 +27,7 @@ import numpy as np
 from ode_lm import partitioning
 from ode_lm.bench.presets import CONFIGS, BenchConfig, get_config  # noqa: F401 (re-exported)
 from ode_lm.models import ModelConfig, build_model
+from ode_lm.models.accounting import param_count
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import state as state_lib
@@ -135,10 +136,6 @@ def process_peak_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def param_count(spec: state_lib.StateSpec) -> int:
-    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(spec.abstract_params)))
-
-
 # ------------------------------------------------------------------------ the train step
 
 
@@ -214,7 +211,7 @@ class TrainBench:
                 model_config.replace(remat="none"), mesh)[0]
             self.traced_flops = model_flops_per_step(flops_spec, self.schedule, step_config,
                                               abstract_batch)
-        self.params = param_count(self.spec)
+        self.params = param_count(self.spec.abstract_params)["total"]
         self.peak_bytes = compiled_peak_bytes(self.compiled)
         self.seed = seed
         self._init_run_state(checkpoint_every, checkpoint_root)

@@ -97,15 +97,6 @@ def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
                 mesh=gin_setup.GinMeshConfig(), num_train_steps=num_train_steps)
 
 
-def count_params(abstract_params) -> tuple[int, int]:
-    """(total, hypernetwork): the hypernetwork is the vector field's 'block' subtree."""
-    import jax
-
-    total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
-    hyper = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params.get("block", {})))
-    return total, hyper
-
-
 def analytic_flops_per_token(model, num_steps: int | None, seq_len: int,
                              tokens_per_batch: int | None = None) -> float:
     """Training FLOPs per token from ode_lm.models.accounting (the trainer's MFU count)."""
@@ -164,6 +155,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     import jax
 
     from ode_lm import partitioning
+    from ode_lm.models.accounting import param_count
     from ode_lm.models.common import attention_impl
     from ode_lm.training import state as state_lib
     from ode_lm.training import step as step_lib
@@ -182,8 +174,9 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     trainer_lib.validate(model, data, cfg["step"], mesh, rules)
     tx, schedule = make_optimizer(cfg["optimizer"], cfg["num_train_steps"])
     spec = state_lib.build_state_spec(trainer_lib.default_model_fn(model), tx, mesh, rules)
-    total, hyper = count_params(spec.abstract_params)
-    report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, total, hyper,
+    counts = param_count(spec.abstract_params)
+    report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, counts["total"],
+                    counts["hypernetwork"],
                     fits=False, compile_seconds=0.0, label=label,
                     analytic_flops_per_token=analytic_flops_per_token(
                         model, cfg["step"].num_steps, data.seq_len, global_batch * data.seq_len))

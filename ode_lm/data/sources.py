@@ -38,7 +38,7 @@ import os
 import re
 import urllib.parse
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import BinaryIO
 
 from etils import epath
@@ -424,7 +424,3 @@ def iter_documents(spec: str, *, text_field: str = "text", text_delimiter: str |
             yield doc
     if n == 0:
         raise SourceError(f"source {spec!r}: no documents ({skipped.describe()})")
-
-
-def describe_source(spec: str, files: Sequence[str] | None = None) -> dict:
-    return {"spec": spec, "files": list(files) if files is not None else None}

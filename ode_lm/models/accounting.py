@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -22,20 +24,39 @@ from flax import nnx
 from ode_lm.models.config import ModelConfig
 from ode_lm.models.solvers import num_stages
 from ode_lm.models.vector_field import dense_specs
+from ode_lm.partitioning import path_name
 
 
-def param_count(model: nnx.Module) -> dict[str, int]:
-    """Parameter counts: total, embeddings, head, norms, hypernetwork (ODE) or blocks
-    (discrete), and the time-MLP subtotal. Works on abstract models (``nnx.eval_shape``)."""
+def param_count(params: Any, trainable: Callable[[str, Any], bool] | None = None
+                ) -> dict[str, int]:
+    """The one parameter count (model reports, the trainer's log, the AOT report, the bench,
+    fine-tuning): total, embeddings, head, norms, hypernetwork (ODE) or blocks (discrete), the
+    time-MLP subtotal, ``lora`` (the factors of a ``LoRAModel``, whose wrapped model's
+    parameters count as usual) and ``trainable`` (those ``trainable(path, leaf)`` selects, by
+    their ``partitioning.path_name``; every one without a predicate).
+
+    ``params``: a model, its Param state, or a params pure dict; abstract leaves
+    (``nnx.eval_shape``, ``ShapeDtypeStruct``) count the same."""
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
     out = {"total": 0, "embeddings": 0, "head": 0, "norms": 0, "hypernetwork": 0, "blocks": 0,
-           "time_mlps": 0}
-    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        keys = [str(k) for k in path]
-        n = math.prod(var.get_value().shape)
+           "time_mlps": 0, "lora": 0, "trainable": 0}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        name = path_name(path)
+        n = math.prod(leaf.shape)
         out["total"] += n
+        if trainable is None or trainable(name, leaf):
+            out["trainable"] += n
+        keys = name.split("/")
+        if keys[0] == "base":  # the model a LoRAModel wraps
+            keys = keys[1:]
         if "time_mlp" in keys:
             out["time_mlps"] += n
-        if keys[0] == "embeddings":
+        if keys[0] == "lora":
+            out["lora"] += n
+        elif keys[0] == "embeddings":
             out["embeddings"] += n
         elif keys[0] == "head":
             out["norms" if keys[1].startswith("norm") else "head"] += n
@@ -44,7 +65,7 @@ def param_count(model: nnx.Module) -> dict[str, int]:
         elif keys[0] == "blocks":
             out["norms" if keys[-1].startswith("norm") else "blocks"] += n
         else:
-            raise ValueError(f"param_count: unexpected parameter path {'/'.join(keys)}")
+            raise ValueError(f"param_count: unexpected parameter path {name}")
     return out
 
 
@@ -114,8 +135,3 @@ def flops_per_token(
     return FlopsPerToken(forward=forward, training=3 * forward, block_forward=block,
                          head_forward=head, weight_generation_per_batch=generation,
                          evaluations=evals)
-
-
-def jax_count_check(model: nnx.Module) -> int:
-    """Total parameters by a plain tree count (a cross-check for ``param_count``)."""
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

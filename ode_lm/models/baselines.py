@@ -19,7 +19,6 @@ from flax import nnx
 
 from ode_lm.models.common import (
     attention_mask,
-    default_inputs,
     make_param,
     normal_init,
     remat_policy,
@@ -67,26 +66,22 @@ class _DiscreteLM(LanguageModel):
     def build_body(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.blocks = StackedBlocks(config, rngs)
 
-    def __call__(
+    def body(
         self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
+        x: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
         *,
-        num_steps: int | None = None,
-        solver: str | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
         return_stats: bool = False,
         **solve_options,
     ):
-        """Logits float32 [B, T, V]; ``num_steps``/``solver`` and the other solve options
-        (``max_steps``, ``rtol``, ``atol``) are ignored (discrete depth); ``return_stats``
-        adds ``{"nfe": num_layers}`` (one block evaluation per layer)."""
-        del num_steps, solver, solve_options
+        """The L layers from x₀; the solve options (``num_steps``, ``solver``, ``max_steps``,
+        ``rtol``, ``atol``) are ignored (discrete depth); ``return_stats`` adds
+        ``{"nfe": num_layers}`` (one block evaluation per layer)."""
+        del solve_options
         cfg = self.config
-        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
-        x = self.embeddings(tokens, positions)
         mask = attention_mask(segment_ids)
         residual = parallel_residual if cfg.architecture == "parallel" else sequential_residual
         use_dropout = not deterministic and cfg.dropout_rate > 0
@@ -104,9 +99,7 @@ class _DiscreteLM(LanguageModel):
 
         layer = jax.checkpoint(layer, policy=remat_policy(cfg.remat))
         x, _ = jax.lax.scan(layer, x, (self.blocks.stacked(), keys))
-        if return_stats:
-            return self.logits(x), {"nfe": jnp.asarray(cfg.num_layers, jnp.int32)}
-        return self.logits(x)
+        return (x, {"nfe": jnp.asarray(cfg.num_layers, jnp.int32)}) if return_stats else x
 
 
 class SequentialLM(_DiscreteLM):

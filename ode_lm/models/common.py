@@ -18,7 +18,7 @@ from flax.linen import spmd as linen_spmd
 from jax.ad_checkpoint import checkpoint_name
 
 from ode_lm.models import splash
-from ode_lm.models.config import ModelConfig
+from ode_lm.models.config import REMAT, ModelConfig
 
 BATCH_LENGTH_EMBED = ("activation_batch", "activation_length", "activation_embed")
 BATCH_LENGTH_HEADS_KV = (
@@ -114,7 +114,6 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 # are recomputed in the backward pass.
 DOT_NAMES = ("q", "k", "v", "attn_context", "attn_out", "mlp_pre", "mlp_gate", "mlp_out")
 ALL_NAMES = DOT_NAMES + ("norm1_out", "norm2_out", "mlp_act")
-REMAT_POLICIES = ("none", "full", "dots_saveable")
 
 
 def remat_policy(name: str) -> Callable:
@@ -130,7 +129,7 @@ def remat_policy(name: str) -> Callable:
         return jax.checkpoint_policies.save_only_these_names(*DOT_NAMES)
     if name == "full":
         return jax.checkpoint_policies.nothing_saveable
-    raise ValueError(f"ModelConfig.remat={name!r}: expected one of {REMAT_POLICIES}")
+    raise ValueError(f"ModelConfig.remat={name!r}: expected one of {REMAT}")
 
 
 def tag(x: jax.Array, name: str) -> jax.Array:

@@ -95,6 +95,29 @@ class LanguageModel(nnx.Module):
     def build_body(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         raise NotImplementedError
 
+    def body(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, *,
+             return_stats: bool = False, **options):
+        """x₀ → the state before the head (and ``{"nfe": ...}`` with ``return_stats``)."""
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        return_stats: bool = False,
+        **options,
+    ):
+        """Logits float32 [B, T, V]: embed → body → head (and the body's stats, e.g.
+        ``{"nfe": ...}``, with ``return_stats``). ``options`` go to the body: ``num_steps``,
+        ``solver``, ``deterministic``, ``rngs``, ``max_steps``, ``rtol``, ``atol`` (the
+        discrete models take the solve options and ignore them)."""
+        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
+        out = self.body(self.embeddings(tokens, positions), positions, segment_ids,
+                        return_stats=return_stats, **options)
+        return (self.logits(out[0]), out[1]) if return_stats else self.logits(out)
+
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         """x₀, float32 [B, T, E]."""
         positions, _ = default_inputs(tokens, positions, None)

@@ -72,111 +72,102 @@ class DiffEqFormer(LanguageModel):
     ):
         """x_N (and the trajectory, and/or solver stats) of the ODE started at x0.
 
-        Fixed grid: ``num_steps`` is an int, or a traced int32 with a static ``max_steps``
-        bound (random step counts in training: one compiled program for every N).
-        Adaptive (``solver`` in ADAPTIVE_SOLVERS): W(t) is generated at whatever t the
-        controller picks; ``rtol``/``atol`` default to the config's. ``return_stats`` adds
-        ``{"nfe": vector-field evaluations, "kinetic_energy": ∫ mean(f²) dt}`` (fixed grid,
-        without a trajectory) to the result.
+        Fixed grid (``_solve_fixed``): ``num_steps`` is an int, or a traced int32 with a
+        static ``max_steps`` bound (random step counts in training: one compiled program for
+        every N). Adaptive (``solver`` in ADAPTIVE_SOLVERS, ``_solve_adaptive``): W(t) is
+        generated at whatever t the controller picks; ``rtol``/``atol`` default to the
+        config's. ``return_stats`` adds ``{"nfe": vector-field evaluations}`` and, on the
+        fixed grid without a trajectory, ``"kinetic_energy": ∫ mean(f²) dt`` (adaptive:
+        ``"capped"``) to the result.
         """
         cfg = self.config
         solver = cfg.solver if solver is None else solver
         solvers.check_solver(solver, adaptive_ok=True)
-        mask = attention_mask(segment_ids)
         if solvers.is_adaptive(solver):
             if return_trajectory:
                 raise ValueError(f"DiffEqFormer: solver={solver!r} has no fixed grid to return "
                                  "as a trajectory; use a fixed-grid solver")
-
-            def field(x, t):
-                return parallel_residual(cfg, self.block.weights(t), x, positions, mask, None,
-                                         segment_ids=segment_ids)
-
-            x, st = solvers.solve_adaptive(
-                field, x0, solver=solver, rtol=cfg.rtol if rtol is None else rtol,
-                atol=cfg.atol if atol is None else atol)
-            return (x, {"nfe": st.nfe, "capped": st.capped}) if return_stats else x
-        num_steps = cfg.num_steps if num_steps is None else num_steps
-        dynamic = not isinstance(num_steps, int)
-        if dynamic and max_steps is None:
-            raise ValueError("DiffEqFormer: a traced num_steps needs a static max_steps")
-        if not dynamic and num_steps < 1:
-            raise ValueError(f"DiffEqFormer: num_steps={num_steps!r} must be a positive int")
-        length = max_steps if dynamic else num_steps
-        dt = 1.0 / (jnp.asarray(num_steps, jnp.float32) if dynamic else num_steps)
-        needs_dropout = not deterministic and cfg.dropout_rate > 0
-        needs_offset = not deterministic and cfg.random_grid_offset
-        if (needs_dropout or needs_offset) and rngs is None:
+            x, stats = self._solve_adaptive(x0, positions, segment_ids, solver,
+                                            cfg.rtol if rtol is None else rtol,
+                                            cfg.atol if atol is None else atol)
+            return (x, stats) if return_stats else x
+        grid = solvers.FixedGrid(cfg.num_steps if num_steps is None else num_steps, max_steps)
+        if not deterministic and (cfg.dropout_rate > 0 or cfg.random_grid_offset) and rngs is None:
             raise ValueError("DiffEqFormer: deterministic=False with dropout_rate > 0 or "
                              "random_grid_offset needs rngs=nnx.Rngs(dropout=...)")
-        offset = 0.0
-        if needs_offset:
-            u = jax.random.uniform(rngs.dropout(), (), minval=0.0, maxval=dt)
-            # Euler evaluates at t_{k+1} - u ∈ [t_k, t_{k+1}); RK stages shift by u - dt/2.
-            offset = -u if solver == "euler" else u - dt / 2
-        keys = jax.random.split(rngs.dropout(), length) if needs_dropout else None
+        out, stats = self._solve_fixed(x0, positions, segment_ids, grid, solver,
+                                       rngs=None if deterministic else rngs,
+                                       return_trajectory=return_trajectory,
+                                       kinetic=return_stats and not return_trajectory)
+        return (out, stats) if return_stats else out
 
+    def _solve_adaptive(self, x0, positions, segment_ids, solver: str, rtol: float,
+                        atol: float) -> tuple[jax.Array, dict]:
+        """dx/dt = f(x, t) with W(t) generated at the controller's t (no randomness)."""
+        mask = attention_mask(segment_ids)
+
+        def field(x, t):
+            return parallel_residual(self.config, self.block.weights(t), x, positions, mask,
+                                     None, segment_ids=segment_ids)
+
+        x, st = solvers.solve_adaptive(field, x0, solver=solver, rtol=rtol, atol=atol)
+        return x, {"nfe": st.nfe, "capped": st.capped}
+
+    def _solve_fixed(self, x0, positions, segment_ids, grid: solvers.FixedGrid, solver: str,
+                     *, rngs: nnx.Rngs | None, return_trajectory: bool, kinetic: bool):
+        """x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_k + c_i·dt + δ) on ``grid`` (RK stages X_i).
+
+        Training randomness (``rngs`` given): δ, the random grid offset (one draw per solve,
+        see ``_grid_offset``), and per-step dropout keys. With ``kinetic`` the state is
+        augmented (Finlay et al. 2020) by e(t) = ∫ mean(f²) dt, integrated by the same solver
+        at no extra evaluation; it is kept per sequence ([B], sharded like the batch) so the
+        step holds no cross-device reduction, and averaged over the batch after the solve.
+        """
+        cfg = self.config
+        mask = attention_mask(segment_ids)
+        needs_dropout = rngs is not None and cfg.dropout_rate > 0
+        needs_offset = rngs is not None and cfg.random_grid_offset
+        offset = self._grid_offset(grid, solver, rngs) if needs_offset else 0.0
         step_inputs = {}
-        if precompute_weights(cfg, length, solver):
+        if precompute_weights(cfg, grid.length, solver):
             # W(t) for every stage of every step as one [N·stages, D] × [D, P] contraction.
-            times = solvers.evaluation_times(num_steps, solver,
-                                             max_steps=length if dynamic else None) + offset
+            times = grid.times(solver) + offset
             step_inputs["w"] = jax.tree.map(lambda a: a.reshape(times.shape + a.shape[1:]),
                                             self.block.weights(times.reshape(-1)))
-        if keys is not None:
-            step_inputs["key"] = keys
+        if needs_dropout:
+            step_inputs["key"] = jax.random.split(rngs.dropout(), grid.length)
 
         def f(x, t, inp=None, stage=0):
             w = self.block.weights(t) if "w" not in step_inputs else jax.tree.map(
                 lambda a: a[stage], inp["w"])
-            key = None if keys is None else jax.random.fold_in(inp["key"], stage)
+            key = jax.random.fold_in(inp["key"], stage) if needs_dropout else None
             return parallel_residual(cfg, w, x, positions, mask, key, segment_ids=segment_ids)
 
-        # With stats, the state is augmented (Finlay et al. 2020) by the kinetic energy
-        # e(t) = ∫ mean(f²) dt, integrated by the same solver at no extra evaluation. It is
-        # kept per sequence ([B], sharded like the batch) so the solver step holds no
-        # cross-device reduction; the batch mean is taken after the solve.
-        kinetic = return_stats and not return_trajectory
-        field = (lambda s, t, *a: (lambda d: (d, jnp.mean(jnp.square(d), axis=(1, 2))))(
-            f(s[0], t, *a))) if kinetic else f
-        state0 = (x0, jnp.zeros(x0.shape[:1], jnp.float32)) if kinetic else x0
-        out = solvers.solve(
-            field, state0, num_steps=num_steps, solver=solver, time_offset=offset,
-            step_inputs=step_inputs or None, return_trajectory=return_trajectory,
-            remat=remat_policy(cfg.remat), max_steps=length if dynamic else None,
-        )
-        if not return_stats:
-            return out
-        stats = {"nfe": jnp.asarray(num_steps * solvers.num_stages(solver), jnp.int32)}
+        def f_and_energy(s, t, *a):
+            d = f(s[0], t, *a)
+            return d, jnp.mean(jnp.square(d), axis=(1, 2))
+
+        out = solvers.solve_on_grid(
+            f_and_energy if kinetic else f,
+            (x0, jnp.zeros(x0.shape[:1], jnp.float32)) if kinetic else x0, grid,
+            solver=solver, time_offset=offset, step_inputs=step_inputs or None,
+            return_trajectory=return_trajectory, remat=remat_policy(cfg.remat))
+        stats = {"nfe": jnp.asarray(grid.num_steps * solvers.num_stages(solver), jnp.int32)}
         if kinetic:
             out, energy = out
             stats["kinetic_energy"] = jnp.mean(energy)
         return out, stats
 
-    def __call__(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        *,
-        num_steps: int | jax.Array | None = None,
-        solver: str | None = None,
-        deterministic: bool = True,
-        rngs: nnx.Rngs | None = None,
-        max_steps: int | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        return_stats: bool = False,
-    ):
-        """Logits float32 [B, T, V] (and ``{"nfe": ...}`` with ``return_stats``)."""
-        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
-        x0 = self.embeddings(tokens, positions)
-        out = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
-                         deterministic=deterministic, rngs=rngs, max_steps=max_steps,
-                         rtol=rtol, atol=atol, return_stats=return_stats)
-        if return_stats:
-            return self.logits(out[0]), out[1]
-        return self.logits(out)
+    @staticmethod
+    def _grid_offset(grid: solvers.FixedGrid, solver: str, rngs: nnx.Rngs) -> jax.Array:
+        """The random grid offset: u ~ U[0, dt), one draw per solve. Euler evaluates at
+        t_{k+1} − u ∈ [t_k, t_{k+1}); RK stages shift by u − dt/2."""
+        u = jax.random.uniform(rngs.dropout(), (), minval=0.0, maxval=grid.dt)
+        return -u if solver == "euler" else u - grid.dt / 2
+
+    def body(self, x0: jax.Array, positions: jax.Array, segment_ids: jax.Array, **options):
+        """The ODE solve from x₀ (``LanguageModel.__call__``'s body; ``solve``'s options)."""
+        return self.solve(x0, positions, segment_ids, **options)
 
     def trajectory(
         self,

@@ -34,7 +34,7 @@ def materialize(model: DiffEqFormer, num_steps: int | None = None,
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"materialize: num_steps={m!r} must be a positive int")
     cfg = model.config.replace(architecture="parallel", num_layers=m)
-    times = solvers.evaluation_times(m, "euler")[:, 0]
+    times = solvers.FixedGrid(m).times("euler")[:, 0]
     stacked = jax.vmap(model.weights_at)(times)
     for name in OUTPUT_PROJECTIONS:
         if name in stacked:

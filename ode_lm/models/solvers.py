@@ -2,9 +2,9 @@
 
 One RK step (``rk_step``) serves every caller: the fixed-grid ``solve`` (a ``lax.scan``),
 the adaptive ``solve_adaptive`` (a ``lax.while_loop``), the KV-cached generation and the
-Lyapunov tangent map. Adding a solver is one ``TABLEAUS`` entry.
+Lyapunov step and tangent map. Adding a solver is one ``TABLEAUS`` entry.
 
-Fixed grid: t_k = t0 + k·dt, dt = (t1 − t0)/N.
+Fixed grid (``FixedGrid``, its one owner): t_k = t0 + k·dt, dt = (t1 − t0)/N.
 - ``euler`` (the paper): x_{k+1} = x_k + dt·f(x_k, t_{k+1}) — the vector field is evaluated
   at the step's *end* time, exactly as the paper's code does (the tableau's c₁ = 1).
 - ``midpoint`` (RK2) and ``rk4`` (classic Runge–Kutta 4).
@@ -114,7 +114,7 @@ def rk_step(f: Callable, x: Any, t: Any, dt: Any, tab: Tableau, k1: Any = None,
     ``f(x, t, stage)`` with the python int stage index (callers key per-stage weights or
     KV-cache slots on it). ``k1``, when given, is f(x, t) already known (FSAL reuse).
     ``time_fn(c)``, when given, is the stage time for fraction c (the fixed grid computes
-    t0 + (k + c)·dt, bit-identical to ``evaluation_times``); else t + c·dt."""
+    ``FixedGrid.time``); else t + c·dt."""
     ks: list = []
     for i in range(tab.stages):
         if i == 0 and k1 is not None:
@@ -125,6 +125,56 @@ def rk_step(f: Callable, x: Any, t: Any, dt: Any, tab: Tableau, k1: Any = None,
     return _combine(x, dt, tab.b, ks), ks
 
 
+@dataclasses.dataclass(frozen=True)
+class FixedGrid:
+    """The fixed time grid t_k = t0 + k·dt, dt = (t1 − t0)/N: its one owner.
+
+    The step-count checks, dt (in the solvers' time dtype for a traced N) and every stage
+    time t_k + c·dt live here, so the scan, the model's precomputed weights W(t), its random
+    grid offset (drawn in [0, dt)), the KV-cached generation and ``materialize`` all agree.
+    ``num_steps``: a python int, or a traced int32 scalar with a static ``max_steps`` bound:
+    the scan then runs ``max_steps`` iterations (``length``) and steps k >= N are skipped.
+    """
+
+    num_steps: int | jax.Array
+    max_steps: int | None = None
+    t0: float = 0.0
+    t1: float = 1.0
+
+    def __post_init__(self):
+        if self.dynamic:
+            if not isinstance(self.max_steps, int) or self.max_steps < 1:
+                raise ValueError(f"num_steps is traced: it needs a static max_steps >= 1, "
+                                 f"got max_steps={self.max_steps!r}")
+        elif self.num_steps < 1:
+            raise ValueError(f"num_steps={self.num_steps!r} must be a positive int")
+
+    @property
+    def dynamic(self) -> bool:
+        """A traced step count (one compiled program for every N ≤ max_steps)."""
+        return not isinstance(self.num_steps, int)
+
+    @property
+    def length(self) -> int:
+        """Scan iterations: N, or the static bound of a traced N."""
+        return self.max_steps if self.dynamic else self.num_steps
+
+    @property
+    def dt(self) -> jax.Array | float:
+        n = jnp.asarray(self.num_steps, _TIME_DTYPE()) if self.dynamic else self.num_steps
+        return (self.t1 - self.t0) / n
+
+    def time(self, k: jax.Array, c: Any) -> jax.Array:
+        """t0 + (k + c)·dt: the time of the stage at fraction c of step k (no offset)."""
+        return self.t0 + (jnp.asarray(k, _TIME_DTYPE()) + c) * self.dt
+
+    def times(self, solver: str) -> jax.Array:
+        """[length, stages] times at which the solve evaluates f (without a time offset);
+        for a traced N the rows k >= N lie past t1 and are never used."""
+        k = jnp.arange(self.length, dtype=_TIME_DTYPE())[:, None]
+        return self.time(k, jnp.asarray(tableau(solver).c, _TIME_DTYPE())[None, :])
+
+
 def solve(
     vector_field: Callable,
     x0: Any,
@@ -133,60 +183,58 @@ def solve(
     solver: str = "euler",
     t0: float = 0.0,
     t1: float = 1.0,
+    max_steps: int | None = None,
+    **options,
+):
+    """``solve_on_grid`` on ``FixedGrid(num_steps, max_steps, t0, t1)``."""
+    return solve_on_grid(vector_field, x0, FixedGrid(num_steps, max_steps, t0, t1),
+                         solver=solver, **options)
+
+
+def solve_on_grid(
+    vector_field: Callable,
+    x0: Any,
+    grid: FixedGrid,
+    *,
+    solver: str = "euler",
     time_offset: jax.Array | float = 0.0,
     step_inputs: Any = None,
     return_trajectory: bool = False,
     remat: str | Callable | None = None,
     unroll: int = 1,
-    max_steps: int | None = None,
 ):
-    """Integrate dx/dt = f(x, t) from t0 to t1 on a fixed grid; returns x_N (and the
-    [N+1, ...] trajectory).
+    """Integrate dx/dt = f(x, t) over the grid: x_{k+1} = rk_step(x_k, t_k); returns x_N
+    (and the [N+1, ...] trajectory).
 
-    vector_field: ``(x, t) -> dx``; when ``step_inputs`` (a pytree with leading axis N, or
-      ``max_steps``) is given it is called as ``(x, t, step_input_k, stage)``, which lets
+    vector_field: ``(x, t) -> dx``; when ``step_inputs`` (a pytree with leading axis
+      ``grid.length``) is given it is called as ``(x, t, step_input_k, stage)``, which lets
       callers feed precomputed weights or per-step dropout keys.
-    num_steps: a python int, or a traced int32 scalar with a static ``max_steps`` bound: then
-      the scan runs ``max_steps`` iterations and steps k >= N are skipped by a ``lax.cond``
-      (one compiled program for every N ≤ max_steps: random step counts in training).
     time_offset: added to every evaluation time (the randomised grid offset).
     remat: None (no checkpoint), a ``ModelConfig.remat`` name ('none' keeps every named
       activation, 'dots_saveable' the matmul outputs, 'full' only the state; see
       ``common.remat_policy``) or a jax checkpoint policy, applied to each step.
     """
     check_solver(solver)
-    dynamic = not isinstance(num_steps, int)
-    if dynamic:
-        if max_steps is None or not isinstance(max_steps, int) or max_steps < 1:
-            raise ValueError("solve: a traced num_steps needs a static max_steps >= 1")
-        length = max_steps
-    else:
-        if num_steps < 1:
-            raise ValueError(f"solve: num_steps={num_steps!r} must be a positive int")
-        length = num_steps
     tab = tableau(solver)
-    dt = (t1 - t0) / (jnp.asarray(num_steps, _TIME_DTYPE()) if dynamic else num_steps)
 
     def step(x, xs):
         k, inp = xs
-        kf = jnp.asarray(k, _TIME_DTYPE())
-
-        def time(c):
-            return t0 + (kf + c) * dt + time_offset
 
         def f(y, t, stage):
             return vector_field(y, t) if inp is None else vector_field(y, t, inp, stage)
 
         def advance(y):
-            return rk_step(f, y, None, dt, tab, time_fn=time)[0]
+            return rk_step(f, y, None, grid.dt, tab,
+                           time_fn=lambda c: grid.time(k, c) + time_offset)[0]
 
-        x_new = jax.lax.cond(k < num_steps, advance, lambda y: y, x) if dynamic else advance(x)
+        x_new = (jax.lax.cond(k < grid.num_steps, advance, lambda y: y, x) if grid.dynamic
+                 else advance(x))
         return x_new, (x_new if return_trajectory else None)
 
     policy = _policy(remat)
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
-    ks = jnp.arange(length, dtype=jnp.int32)
+    ks = jnp.arange(grid.length, dtype=jnp.int32)
     x_final, traj = jax.lax.scan(step, x0, (ks, step_inputs), unroll=unroll)
     if not return_trajectory:
         return x_final
@@ -199,17 +247,6 @@ def _policy(remat):
     if remat is None or callable(remat):
         return remat
     return remat_policy(remat)
-
-
-def evaluation_times(num_steps: int | jax.Array, solver: str, t0: float = 0.0,
-                     t1: float = 1.0, max_steps: int | None = None):
-    """[N, stages] float32 times at which ``solve`` evaluates f (without a time offset);
-    [max_steps, stages] for a traced N (rows k >= N lie past t1 and are never used)."""
-    length = num_steps if max_steps is None else max_steps
-    dt = (t1 - t0) / jnp.asarray(num_steps, jnp.float32)
-    k = jnp.arange(length, dtype=jnp.float32)[:, None]
-    c = jnp.asarray(tableau(solver).c, jnp.float32)[None, :]
-    return t0 + (k + c) * dt
 
 
 ADAPTIVE_MAX_STEPS = 256  # attempted steps before an adaptive solve gives up short of t1

@@ -175,7 +175,9 @@ def mlp_branch(config: ModelConfig, w: BlockWeights, h):
     return tag(_dense(act, w, "mlp_out", "btf,fe->bte", cdt), "mlp_out")
 
 
-def _norm(config: ModelConfig, w: BlockWeights, n: str, x):
+def block_norm(config: ModelConfig, w: BlockWeights, n: str, x):
+    """Norm ``n`` (norm1 | norm2) of a block's weights on x, in the compute dtype and tagged
+    for remat: the one pre-branch norm (the analysis Jacobians use it too)."""
     h = apply_norm(config, x, w[f"{n}_scale"], w.get(f"{n}_bias"))
     return tag(h.astype(compute_dtype(config)), f"{n}_out")
 
@@ -195,10 +197,11 @@ def parallel_residual(config: ModelConfig, w: BlockWeights, x, positions, mask, 
     ``segment_ids`` (packed documents) let attention use the splash kernel."""
     x = constrain(x, BATCH_LENGTH_EMBED)
     k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    a, new_cache = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask,
-                                    cache, segment_ids)
+    a, new_cache = attention_branch(config, w, block_norm(config, w, "norm1", x), positions,
+                                    mask, cache, segment_ids)
     a = _dropout(a, config.dropout_rate, k1)
-    m = _dropout(mlp_branch(config, w, _norm(config, w, "norm2", x)), config.dropout_rate, k2)
+    m = _dropout(mlp_branch(config, w, block_norm(config, w, "norm2", x)), config.dropout_rate,
+                 k2)
     f = constrain(a.astype(jnp.float32) + m.astype(jnp.float32), BATCH_LENGTH_EMBED)
     return f if cache is None else (f, new_cache)
 
@@ -208,10 +211,10 @@ def sequential_residual(config: ModelConfig, w: BlockWeights, x, positions, mask
     """A pre-norm GPT-2/Llama block: x + Attn(Norm1(x)), then + MLP(Norm2(·))."""
     x = constrain(x, BATCH_LENGTH_EMBED)
     k1, k2 = (None, None) if dropout_key is None else jax.random.split(dropout_key)
-    a, _ = attention_branch(config, w, _norm(config, w, "norm1", x), positions, mask,
+    a, _ = attention_branch(config, w, block_norm(config, w, "norm1", x), positions, mask,
                             segment_ids=segment_ids)
     x = x + _dropout(a, config.dropout_rate, k1).astype(jnp.float32)
-    m = mlp_branch(config, w, _norm(config, w, "norm2", x))
+    m = mlp_branch(config, w, block_norm(config, w, "norm2", x))
     return constrain(x + _dropout(m, config.dropout_rate, k2).astype(jnp.float32),
                      BATCH_LENGTH_EMBED)
 

@@ -18,22 +18,17 @@ import jax
 import numpy as np
 from clu import metrics as clu_metrics
 
-from ode_lm.hardware import peak_flops_table
+from ode_lm.hardware import chip_spec
 from ode_lm.training.run_dir import RunDir
 
-# Dense peak FLOP/s per chip: (bf16, fp32), from the one chip table in ode_lm/hardware.py.
-PEAK_FLOPS: dict[str, tuple[float, float]] = peak_flops_table()
 DEFAULT_CPU_PEAK_FLOPS = 300e9  # measured fp32 matmul peak of this 2-core host, per process
 
 
 def peak_flops_per_device(device_kind: str, dtype: str = "bfloat16") -> float | None:
-    """Peak FLOP/s of one accelerator from its ``device_kind``; None if not in the table."""
-    kind = device_kind.lower()
-    for name in sorted(PEAK_FLOPS, key=len, reverse=True):  # 'tpu v5 lite' before 'tpu v5'
-        if name in kind:
-            bf16, fp32 = PEAK_FLOPS[name]
-            return fp32 if dtype == "float32" else bf16
-    return None
+    """Peak FLOP/s of one accelerator from its ``device_kind`` (the one chip table,
+    ``hardware.chip_spec``); None if not in the table."""
+    spec = chip_spec(device_kind)
+    return None if spec is None else spec.peak_flops(dtype)
 
 
 def total_peak_flops(

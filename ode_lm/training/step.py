@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ode_lm.config_types import check_types
+from ode_lm.data.packing import BATCH_KEYS
 from ode_lm.models import solvers as solvers_lib
 from ode_lm.partitioning import batch_sharding, logical_to_mesh
 from ode_lm.training.state import StateSpec
@@ -26,7 +27,6 @@ from ode_lm.training.state import StateSpec
 log = logging.getLogger("ode_lm.eval")
 
 Batch = Mapping[str, jax.Array]
-BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -22,6 +21,7 @@ import jax
 
 from ode_lm import partitioning
 from ode_lm.config_types import check_types
+from ode_lm.models.accounting import param_count
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
@@ -318,7 +318,7 @@ class Trainer:
         if self.config_record is not None:
             record = self.config_record
             writer.write_texts(start, {"config": record.markdown(record.text())})
-        num_params = sum(math.prod(x.shape) for x in jax.tree.leaves(self.spec.abstract_params))
+        num_params = param_count(self.spec.abstract_params)["total"]
         self.print(
             f"{'resumed from' if resumed else 'initialised at'} step {start} | mesh "
             f"{dict(self.mesh.shape)} | {num_params:,} parameters"
