@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +164,8 @@ def test_adaptive_generation_equals_uncached_greedy():
 @pytest.fixture(scope="module")
 def tiny_trained(tmp_path_factory):
     """A tiny trained run through the real trainer, on the byte-level built-in corpus, its
-    final eval at N=2, 3 (its own), RK4 at N=3 and the adaptive solver: (model dir, result)."""
+    evals (step 2 and the final, step 3) at N=2, 3 (its own), RK4 at N=3 and the adaptive
+    solver: (model dir, result, the lines the trainer printed)."""
     from ode_lm.data import DataConfig
     from ode_lm.training.trainer import TrainConfig, Trainer
 
@@ -172,14 +174,15 @@ def tiny_trained(tmp_path_factory):
                       global_batch_size=8, holdout_fraction=0.05, eval_max_batches=2)
     cfg = tiny_config(vocab_size=384, time_scale=4.0, time_max_period=100.0,
                       random_grid_offset=True)
-    model_dir = str(root / "run")
-    train = TrainConfig(model_dir=model_dir, num_train_steps=3, eval_num_steps=(2,),
+    model_dir, printed = str(root / "run"), []
+    train = TrainConfig(model_dir=model_dir, num_train_steps=3, eval_every=2, eval_num_steps=(2,),
                         eval_solves=("rk4:steps=3", "adaptive:rtol=1e-2"))
     result = Trainer(
         model_config=cfg, data_config=data, train_config=train,
         step_config=step_lib.StepConfig(num_steps_choices=(2, 3), kinetic_energy_weight=0.5),
-        devices=jax.devices()[:1], operative_config=lambda: _operative_gin(data)).run()
-    return model_dir, result
+        devices=jax.devices()[:1], operative_config=lambda: _operative_gin(data),
+        print_fn=printed.append).run()
+    return model_dir, result, printed
 
 
 @pytest.fixture(scope="module")
@@ -236,7 +239,7 @@ def test_final_eval_names_each_setting_and_the_summary_tables_them(tiny_trained,
     (plain only at the run's own), and ode_lm.train's summary shows them as one table."""
     from ode_lm.train import report
 
-    _, result = tiny_trained
+    _, result, _ = tiny_trained
     ev = result.eval
     assert {k for k in ev if k.startswith("eval/perplexity")} == {
         "eval/perplexity", "eval/perplexity@steps=2", "eval/perplexity@rk4:steps=3",
@@ -250,6 +253,44 @@ def test_final_eval_names_each_setting_and_the_summary_tables_them(tiny_trained,
     assert [r[:2] for r in rows] == [["euler", "N=2"], ["euler", "N=3"], ["rk4", "N=3"],
                                      ["adaptive", "rtol=0.01"]]
     assert float(rows[1][2]) == pytest.approx(ev["eval/perplexity"], abs=0.051)
+    assert rows[0][3] == f"{ev['eval/depth_gap/steps=2']:+.1%}"  # each other row: its gap
+    assert rows[1][3] == "(the"
     assert "(the run's own N)" in out[start + 2] and "mean NFE" in out[start + 4]
     assert f"eval/loss: {ev['eval/loss']:.4f}" in out
-    assert not any(line.startswith(("eval/perplexity", "eval/nfe")) for line in out)
+    assert not any(line.startswith(("eval/perplexity", "eval/nfe", "eval/depth_gap"))
+                   for line in out)
+
+
+def test_every_eval_logs_the_depth_gap_equal_to_ode_lm_eval(tiny_trained):
+    """eval/depth_gap/<setting> at every eval (in the loop and the final) in metrics.jsonl,
+    TensorBoard and the printed eval row; at the last step it is the ratio of what
+    ``ode-lm eval`` reports on the saved checkpoint for the same settings, minus one."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from ode_lm.eval import evaluate_run
+
+    model_dir, result, printed = tiny_trained
+    names = {"eval/depth_gap/steps=2", "eval/depth_gap/rk4:steps=3",
+             "eval/depth_gap/adaptive:rtol=0.01"}
+    rows = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
+    evals = [r for r in rows if "eval/perplexity" in r]
+    assert [r["step"] for r in evals] == [2, 3]
+    assert all(names <= set(r) for r in evals)
+    acc = EventAccumulator(model_dir)
+    acc.Reload()
+    assert all([e.step for e in acc.Scalars(n)] == [2, 3] for n in names)
+    own = evaluate_run(model_dir)["eval/perplexity"]
+    direct = {"steps=2": evaluate_run(model_dir, (2,))["eval/perplexity@steps=2"],
+              "rk4:steps=3": evaluate_run(model_dir, (3,), "rk4")["eval/perplexity@rk4:steps=3"],
+              "adaptive:rtol=0.01": evaluate_run(model_dir, solver="adaptive", rtol=1e-2)[
+                  "eval/perplexity@adaptive:rtol=0.01"]}
+    for setting, ppl in direct.items():
+        # float32 losses (eps 1.2e-7) summed over a few hundred tokens: 1e-5 relative
+        assert result.eval[f"eval/depth_gap/{setting}"] == pytest.approx(ppl / own - 1, abs=1e-5)
+        assert evals[-1][f"eval/depth_gap/{setting}"] == pytest.approx(ppl / own - 1, abs=1e-5)
+    eval_rows = [line for line in printed if line.startswith("eval @ step")]
+    assert len(eval_rows) == 2 and all("depth gap" in line for line in eval_rows)
+    gaps = {s: result.eval[f"eval/depth_gap/{s}"] for s in direct}
+    worst = max(gaps, key=lambda s: abs(gaps[s]))
+    assert eval_rows[-1].endswith(f"| depth gap {gaps[worst]:+.1%} at {worst} (max of 3)")
+    assert not any("eval/depth_gap" in line for line in eval_rows)  # compact: one figure

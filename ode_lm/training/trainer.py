@@ -26,6 +26,7 @@ from ode_lm.config_types import check_types
 from ode_lm.harness.run import check_train_config, training_metrics
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
+from ode_lm.training import evaluation as evaluation_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
@@ -262,9 +263,11 @@ class Trainer:
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
         """The model's own N, the depth sweep and ``TrainConfig.eval_solves``, named as
-        in ``training.evaluation``, plus ``TrainConfig.lm_eval_tasks``
+        in ``training.evaluation`` with each one's ``eval/depth_gap/...``, plus
+        ``TrainConfig.lm_eval_tasks``
         (``lm_eval/<task>/<metric>``)."""
         results = self.evaluator.evaluate(params, self.eval_solves)
+        results.update(evaluation_lib.depth_gaps(results, self.eval_settings))  # ODE: the drift
         results.update(training_metrics(self.cfg, self.spec, params, self.data_config))
         return results
 
@@ -362,9 +365,10 @@ class Trainer:
     # ----------------------------------------------------------------- helpers
     def _log_eval(self, writer, step: int, results: dict[str, float]) -> None:
         writer.write_scalars(step, results)
-        shown = " | ".join(f"{k} {v:.4f}" for k, v in results.items()
-                           if not k.startswith(("eval/tokens", "eval/nfe")))
-        self.print(f"eval @ step {step} | {shown}")
+        shown = [f"{k} {v:.4f}" for k, v in results.items()
+                 if not k.startswith(("eval/tokens", "eval/nfe", evaluation_lib.GAP_PREFIX))]
+        gap = evaluation_lib.gap_summary(results)  # the drift, compact: the largest gap
+        self.print(" | ".join([f"eval @ step {step}", *shown, *([gap] if gap else [])]))
 
     def _start_record(self, start: int, resumed: bool) -> tuple[int, str] | None:
         """(start, operative config) when this start's config is to be kept: a first start,
