@@ -199,7 +199,8 @@ def make_prepared_iterator(cfg: DataConfig, *, process_index: int, process_count
         start_doc = int(start_step * rows * width // mean_doc)
     ds: grain.IterDataset = packing_lib.PackedDataset(
         lambda: PreparedBlocks(records, order), rows=rows, width=width, packing=cfg.packing,
-        eos_id=manifest["eos_id"], max_carry=cfg.first_fit_bins or rows, start_doc=start_doc)
+        eos_id=manifest["eos_id"], max_carry=cfg.first_fit_bins or rows,
+        row_shuffle=cfg.row_shuffle_window, seed=cfg.seed, start_doc=start_doc)
     if cfg.prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
     return iter(ds)
