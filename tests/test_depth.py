@@ -166,12 +166,10 @@ def tiny_trained(tmp_path_factory):
     """A tiny trained run through the real trainer, on the byte-level built-in corpus, its
     evals (step 2 and the final, step 3) at N=2, 3 (its own), RK4 at N=3 and the adaptive
     solver: (model dir, result, the lines the trainer printed)."""
-    from ode_lm.data import DataConfig
     from ode_lm.training.trainer import TrainConfig, Trainer
 
     root = tmp_path_factory.mktemp("depth")
-    data = DataConfig(data_dir=str(root / "data"), tokenizer="bytes", seq_len=16,
-                      global_batch_size=8, holdout_fraction=0.05, eval_max_batches=2)
+    data = _tiny_data(root)
     cfg = tiny_config(vocab_size=384, time_scale=4.0, time_max_period=100.0,
                       random_grid_offset=True)
     model_dir, printed = str(root / "run"), []
@@ -185,9 +183,38 @@ def tiny_trained(tmp_path_factory):
     return model_dir, result, printed
 
 
+def _tiny_data(root):
+    from ode_lm.data import DataConfig
+
+    return DataConfig(data_dir=str(root / "data"), tokenizer="bytes", seq_len=16,
+                      global_batch_size=8, holdout_fraction=0.05, eval_max_batches=2)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tiny_trained):
     return tiny_trained[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_baselines(tiny_run):
+    """Sequential baselines of 1 and 2 layers, the ODE run's width and data, 3 steps each."""
+    import pathlib
+
+    from ode_lm.training.trainer import TrainConfig, Trainer
+
+    root = pathlib.Path(tiny_run).parent
+    data = _tiny_data(root)
+    dirs = []
+    for layers in (1, 2):
+        model_dir = str(root / f"L{layers}")
+        Trainer(model_config=tiny_config(vocab_size=384, architecture="sequential",
+                                         num_layers=layers),
+                data_config=data, train_config=TrainConfig(model_dir=model_dir,
+                                                           num_train_steps=3),
+                devices=jax.devices()[:1], operative_config=lambda: _operative_gin(data),
+                print_fn=lambda _: None).run()
+        dirs.append(model_dir)
+    return dirs
 
 
 def _operative_gin(data) -> str:
@@ -221,6 +248,51 @@ def test_depth_report_end_to_end(tiny_run, tmp_path, capsys):
     assert (out / "depth_report.png").read_bytes()[:4] == b"\x89PNG"
     assert tool.main([f"--model_dir={tmp_path / 'nope'}", f"--out={out}"]) == 1
     assert "--model_dir=" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_depth_report_frontier_against_baselines(tiny_run, tiny_baselines, tmp_path, capsys):
+    """--baselines: frontier.csv holds every ODE setting and each baseline, priced in NFE and
+    in forward FLOPs per token as models.accounting counts them; frontier.png is written."""
+    from ode_lm.commands import depth_report as tool
+    from ode_lm.eval import evaluate_run, load_eval_run
+    from ode_lm.models.accounting import flops_per_token
+
+    out = tmp_path / "report"
+    rc = tool.main([f"--model_dir={tiny_run}", f"--out={out}", "--num_steps=1,2",
+                    "--solvers=euler", "--rtols=1e-2", f"--baselines={','.join(tiny_baselines)}"])
+    assert rc == 0, capsys.readouterr().err
+    rows = list(csv.DictReader(open(out / "frontier.csv")))
+    assert [(r["kind"], r["solver"], r["num_steps"], r["rtol"], r["layers"]) for r in rows] == [
+        ("ode", "euler", "1", "", ""), ("ode", "euler", "2", "", ""),
+        ("ode", "adaptive", "", "0.01", ""), ("baseline", "", "", "", "1"),
+        ("baseline", "", "", "", "2")]
+    ode, base = load_eval_run(tiny_run), load_eval_run(tiny_baselines[1])
+    data = ode.data_config
+    batch_tokens = data.eval_global_batch_size * data.seq_len
+    for row, config, n in ((rows[1], ode.model_config, 2), (rows[4], base.model_config, None)):
+        want = flops_per_token(config, n, solver="euler", seq_len=data.seq_len,
+                               tokens_per_batch=batch_tokens)
+        assert float(row["nfe"]) == want.evaluations == 2
+        assert float(row["flops_per_token"]) == pytest.approx(want.forward, rel=1e-5)  # %.6g
+    base_ppl = evaluate_run(tiny_baselines[1])["eval/perplexity"]
+    assert float(rows[4]["perplexity"]) == pytest.approx(base_ppl, rel=1e-5)
+    ppl = [float(r["perplexity"]) for r in rows]
+    nfe = [float(r["nfe"]) for r in rows]
+    for r, p, c in zip(rows, ppl, nfe, strict=True):  # nothing cheaper and better
+        dominated = any(c2 <= c and p2 < p for p2, c2 in zip(ppl, nfe, strict=True))
+        assert r["frontier_nfe"] == str(not dominated)
+    assert (out / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    report = json.loads((out / "depth_report.json").read_text())
+    assert set(report["baselines"]) == {"L1", "L2"}
+    assert report["baselines"]["L2"]["num_layers"] == 2
+    assert "| 2 | " in capsys.readouterr().out  # the table: baseline L=2 against Euler N=2
+    assert tool.main([f"--model_dir={tiny_run}", f"--out={out}",
+                      f"--baselines={tiny_run}"]) == 1
+    assert "an ODE run, not a discrete baseline" in capsys.readouterr().err
+    assert tool.main([f"--model_dir={tiny_run}", f"--out={out}",
+                      f"--baselines={tmp_path / 'nope'}"]) == 1
+    assert "--baselines=" in capsys.readouterr().err
 
 
 def test_eval_cli_adaptive_prints_perplexity_and_nfe(tiny_run, capsys):
