@@ -83,6 +83,14 @@ def write_frontier_csv(points: Sequence[dict[str, Any]], path) -> pathlib.Path:
     return path
 
 
+def _compact(value: float, _pos: Any = None) -> str:
+    """A tick label: 2, 50, 20k, 1.5M, 3G."""
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:g}{unit}"
+    return f"{value:g}"
+
+
 def plot_frontier(points: Sequence[dict[str, Any]], path) -> pathlib.Path:
     """Perplexity against NFE (left) and forward FLOPs per token (right), log x: each ODE
     run's solvers as lines over N (colour = solver, marker = run), the adaptive solver as
@@ -92,6 +100,7 @@ def plot_frontier(points: Sequence[dict[str, Any]], path) -> pathlib.Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     path = pathlib.Path(path)
     runs = list(dict.fromkeys(p["run"] for p in points if p["kind"] == "ode"))
@@ -106,7 +115,11 @@ def plot_frontier(points: Sequence[dict[str, Any]], path) -> pathlib.Path:
                 ls = "none" if solver == "adaptive" else "-"
                 ax.plot([p[key] for p in pts], [p["perplexity"] for p in pts], ls=ls,
                         marker=RUN_MARKERS[i % len(RUN_MARKERS)], ms=5, lw=1.2,
-                        color=SOLVER_COLORS.get(solver), label=f"{run}: {solver} (N or rtol)")
+                        color=SOLVER_COLORS.get(solver), label=f"{run}: {solver}")
+                for p in pts if solver == "euler" else ():  # N, to compare with L
+                    ax.annotate(f"N={p['num_steps']}", (p[key], p["perplexity"]),
+                                textcoords="offset points", xytext=(4, -10), fontsize=6,
+                                color=SOLVER_COLORS[solver])
         base = sorted((p for p in points if p["kind"] == "baseline"), key=lambda p: p["layers"])
         if base:
             ax.plot([p[key] for p in base], [p["perplexity"] for p in base], "k--*", ms=11,
@@ -118,6 +131,9 @@ def plot_frontier(points: Sequence[dict[str, Any]], path) -> pathlib.Path:
         ax.step([p[key] for p in front], [p["perplexity"] for p in front], where="post",
                 color="grey", lw=6, alpha=0.25, label="frontier (nothing cheaper is better)")
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(_compact))
+        ax.xaxis.set_minor_locator(ticker.NullLocator())
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
     value_ticks(axes[0], [p["perplexity"] for p in points])

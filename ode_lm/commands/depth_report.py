@@ -185,9 +185,8 @@ def _table(reports: dict) -> str:
 
 def _frontier_table(points: list[dict]) -> str:
     """Markdown: the baselines against the ODE run's Euler at the same NFE (N = L)."""
-    lines = ["\n| L (= N) | baseline ppl | " + " | ".join(
-        sorted({p["run"] for p in points if p["kind"] == "ode"})) + " (Euler) |"]
-    runs = sorted({p["run"] for p in points if p["kind"] == "ode"})
+    runs = list(dict.fromkeys(p["run"] for p in points if p["kind"] == "ode"))
+    lines = ["\n| L (= N) | baseline ppl | " + " | ".join(f"{r} (Euler)" for r in runs) + " |"]
     lines.append("|---:|---:|" + "---:|" * len(runs))
     for b in sorted((p for p in points if p["kind"] == "baseline"), key=lambda p: p["layers"]):
         cells = []

@@ -1,4 +1,5 @@
-"""The training pipeline: shards -> epoch-aware shuffle -> host slice -> pack -> batch -> prefetch.
+"""The training pipeline: shards -> epoch-aware shuffle -> host slice -> pack -> row shuffle ->
+batch -> prefetch.
 
 ``make_prepared_iterator`` (via ``data.make_train_iterator``) returns a checkpointable grain
 ``DatasetIterator`` of host-local batches: ``packing.Packer`` (batch format, mask rule, state)
@@ -10,7 +11,9 @@ where global position ``g`` is document ``shuffle_e(g mod N)`` of epoch ``e = g 
 fresh seeded permutation per epoch, ``shuffle.feistel_permute``). Hosts therefore
 split every epoch into disjoint parts that together cover it exactly. The iterator state is
 ``{"doc", "offset", "carry"}`` (position in the host's document sequence, tokens already used
-of the current document, first-fit pieces waiting for room): small JSON, exact to the token.
+of the current document, first-fit pieces waiting for room), plus ``"row"`` with the row
+shuffle on (``packing.Packer``: the packing state at the window's start and the rows of it
+handed out): small JSON, exact to the token.
 Threads and prefetch depth never change the batches.
 
 Fallback when the state is lost (e.g. a new topology): ``make_train_iterator(..., start_step=s)``
