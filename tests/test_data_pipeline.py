@@ -51,7 +51,8 @@ def host_docs(cfg, p, pc):
 
 
 def test_concat_every_token_of_an_epoch_exactly_once():
-    cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=4, seq_len=128)
+    cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=4, seq_len=128,
+                         row_shuffle_window=0)  # packing order
     records, order = host_docs(cfg, 0, 1)
     stream = np.concatenate([records[i] for i in order]).astype(np.int32)
     rows = [np.c_[b["inputs"], b["targets"][:, -1:]] for b in make_train_iterator(
@@ -136,15 +137,19 @@ def test_start_step_fallback_is_deterministic_and_not_a_restart(packing):
     expected = int(50 * cfg.global_batch_size * (cfg.seq_len + 1)
                    // (info["tokens"] / info["documents"]))
     assert it.get_state()["doc"] == expected > 0
-    assert set(it.get_state()) == {"doc", "offset", "carry"}, "the checkpointed keys"
+    assert set(it.get_state()) == {"doc", "offset", "carry", "row"}, "the checkpointed keys"
     again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
     assert_batches_equal(take(it, 2), take(again, 2))
 
 
-@pytest.mark.parametrize("packing", PACKINGS)
-def test_exact_resume_in_a_fresh_process(packing, tmp_path):
-    cfg = builtin_config(packing=packing, prefetch=2)
-    k = 6
+@pytest.mark.parametrize("packing, window", [("concat", 4096), ("first_fit", 4096),
+                                             ("concat", 20), ("first_fit", 0)])
+def test_exact_resume_in_a_fresh_process(packing, window, tmp_path):
+    """Saved after k batches, restored in a fresh process: the same next k batches; with a
+    row shuffle the save falls inside a window (4096 rows) or, 3 batches a window (20 rows,
+    rounded up to whole batches of 8), inside the third window after two whole ones."""
+    cfg = builtin_config(packing=packing, prefetch=2, row_shuffle_window=window)
+    k = 7
     reference = take(make_train_iterator(cfg, process_index=0, process_count=1), 2 * k)
     first = run_resume_script(cfg, "save", tmp_path / "ckpt", tmp_path / "a.npz", k)
     second = run_resume_script(cfg, "restore", tmp_path / "ckpt", tmp_path / "b.npz", k)
@@ -183,3 +188,44 @@ def test_to_global_batch_follows_rule_overrides():
         assert v.sharding.spec[0] == "data"
         np.testing.assert_array_equal(np.asarray(v), batch[k])
     assert len({str(s.index) for s in out["inputs"].addressable_shards}) == 2
+
+
+def _rows(batches):
+    """The packed rows (``seq_len + 1`` tokens) of batches, as bytes."""
+    return [np.r_[i, t[-1:]].tobytes() for b in batches
+            for i, t in zip(b["inputs"], b["targets"], strict=True)]
+
+
+def test_row_shuffle_mixes_documents_in_a_batch_and_keeps_every_row():
+    """Packing order cuts a long document into consecutive rows, so a small batch can hold one
+    document; the row shuffle (on by default) hands out the same rows, window by window, in
+    a seeded order, so every batch of the built-in corpus draws on several documents."""
+    cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=4, seq_len=32)
+    assert cfg.row_shuffle_window == 4096  # the default
+    records, order = host_docs(cfg, 0, 1)
+    doc_of_token = np.repeat(np.arange(len(order)), [len(records[i]) for i in order])
+    width, window_batches = cfg.seq_len + 1, 4096 // 4
+
+    def documents(batches, row_index):
+        """Documents each batch's rows draw on (a row's place in packing order -> tokens)."""
+        return [len({int(d) for row in _rows([b]) for d in
+                     doc_of_token[row_index[row] * width:(row_index[row] + 1) * width]})
+                for b in batches]
+
+    packed = take(make_train_iterator(dataclasses.replace(cfg, row_shuffle_window=0),
+                                      process_index=0, process_count=1), 2 * window_batches)
+    row_index = {row: i for i, row in enumerate(_rows(packed))}  # a repeated row: any place
+    shuffled = take(make_train_iterator(cfg, process_index=0, process_count=1),
+                    2 * window_batches)
+    for w in (0, 1):  # each window: the same rows, another order
+        part = slice(w * window_batches, (w + 1) * window_batches)
+        assert sorted(_rows(shuffled[part])) == sorted(_rows(packed[part]))
+        assert _rows(shuffled[part]) != _rows(packed[part])
+    before, after = documents(packed, row_index), documents(shuffled, row_index)
+    assert before.count(1) > 0, "the case under test: packing order gives one-document batches"
+    assert min(after) > 1, "every shuffled batch draws on more than one document"
+    again = take(make_train_iterator(cfg, process_index=0, process_count=1), 3)
+    assert_batches_equal(again, shuffled[:3])  # deterministic given the seed
+    other = take(make_train_iterator(dataclasses.replace(cfg, seed=1), process_index=0,
+                                     process_count=1), 1)
+    assert _rows(other) != _rows(shuffled[:1])

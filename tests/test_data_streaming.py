@@ -89,7 +89,7 @@ def streamed_docs(cfg) -> list[str]:
 def test_window_shuffle_and_interleave_order(tmp_path):
     src, texts = jsonl_dir(tmp_path, n_files=2, n_docs=40)
     cfg = stream_config(src, shuffle_window=1, interleave_files=2, global_batch_size=8,
-                        seq_len=512)
+                        seq_len=512, row_shuffle_window=0)  # the rows in packing order
     files = HostFiles([str(src / "part-00.jsonl"), str(src / "part-01.jsonl")], 0, 0, 1, 1)
     a, b = texts[int(files[0][-7])::2], texts[int(files[1][-7])::2]
     docs = streamed_docs(cfg)
@@ -128,7 +128,8 @@ def test_streaming_start_step_fallback_and_bad_sources(tmp_path):
     it = make_train_iterator(cfg, process_index=0, process_count=1, start_step=60)
     state = it.get_state()
     assert state["reader"]["next_file"] > 0, "fallback starts past the first file, not at 0"
-    assert set(state) == {"doc", "offset", "carry", "window", "reader"}, "the checkpointed keys"
+    assert set(state) == {"doc", "offset", "carry", "window", "reader", "row"}, \
+        "the checkpointed keys"
     assert set(state["reader"]) == {"next_file", "turn", "slots"}
     again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=60)
     assert_batches_equal(take(it, 2), take(again, 2))
@@ -140,7 +141,8 @@ def test_first_fit_carry_from_an_older_window_resumes(tmp_path):
     """A first-fit piece carried while the packer moves into a later shuffle window keeps
     its window's reader position in the state (a small window makes this happen at once)."""
     src, _ = jsonl_dir(tmp_path)
-    cfg = stream_config(src, packing="first_fit", shuffle_window=7, interleave_files=2)
+    cfg = stream_config(src, packing="first_fit", shuffle_window=7, interleave_files=2,
+                        row_shuffle_window=0)  # the packer's own states, one per batch
     it = make_train_iterator(cfg, process_index=0, process_count=1)
     states, batches = [], []
     for _ in range(12):

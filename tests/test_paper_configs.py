@@ -91,6 +91,21 @@ def test_runs_take_their_recipe_from_one_include(files, recipe):
         assert model.num_steps == 6
 
 
+def test_baseline_demo_is_the_depth_demo_as_a_sequential_model_of_layers():
+    """The frontier's baselines differ from depth_demo.gin only in being L-layer sequential
+    models trained without the ODE recipe: same width, data, tokens and schedule."""
+    ode, opt, data, steps, _ = _configs("runs/depth_demo.gin")
+    base, base_opt, base_data, base_steps, base_step = _configs("runs/baseline_demo.gin",
+                                                                "--gin.LAYERS=3")
+    assert (base.architecture, base.num_layers) == ("sequential", 3)
+    same = ("d_model", "num_heads", "vocab_size", "max_seq_len", "flavour", "dtype")
+    assert [getattr(base, k) for k in same] == [getattr(ode, k) for k in same]
+    assert (base_data, base_steps) == (data, steps)
+    sched = ("learning_rate", "warmup_steps", "min_lr_ratio", "clip_norm", "weight_decay")
+    assert [getattr(base_opt, k) for k in sched] == [getattr(opt, k) for k in sched]
+    assert (base_step.num_steps_choices, base_step.kinetic_energy_weight) == ((), 0.0)
+
+
 def test_recipe_knobs_are_bound_only_in_the_recipes():
     """Runs include a recipe instead of repeating its knobs (one place says what each does)."""
     configs = PAPER.parents[1]

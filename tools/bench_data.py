@@ -260,17 +260,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stream_tokenizer", default=None, help="default: --tokenizer")
     ap.add_argument("--skip_streaming", action="store_true")
     ap.add_argument("--grain", action="store_true", help="also time grain's pieces against ours")
+    ap.add_argument("--row_shuffle_window", type=int,
+                    default=DataConfig.row_shuffle_window, help="rows shuffled together after "
+                    "packing (DataConfig.row_shuffle_window; 0: packing order)")
     args = ap.parse_args(argv)
     base = DataConfig(tokenizer=args.tokenizer, seq_len=args.seq_len,
                       global_batch_size=args.batch, num_threads=args.threads, prefetch=2,
-                      num_workers=args.workers)
+                      num_workers=args.workers, row_shuffle_window=args.row_shuffle_window)
     if args.data_dir:
         base = dataclasses.replace(base, data_dir=args.data_dir)
     m = ensure_prepared(base)
     tr = m["splits"]["train"]
     print(f"prepared: {base.data_dir} ({tr['documents']} docs, {tr['tokens']} tokens, "
           f"{tr['tokens'] / tr['documents']:.0f} tokens/doc), seq_len {args.seq_len}, "
-          f"batch {args.batch}, load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+          f"batch {args.batch}, row shuffle window {args.row_shuffle_window}, "
+          f"load avg {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     for packing in ("concat", "first_fit"):
         rate, per_cpu, n = measure(dataclasses.replace(base, packing=packing), args.seconds)
         print(f"  prepared  {packing:9s}: {rate / 1e6:6.2f} M tokens/s "

@@ -106,39 +106,117 @@ def write_csv(reports: dict[str, dict[str, Any]], path) -> pathlib.Path:
     return path
 
 
+RUN_MARKERS = ("o", "s", "^", "D", "v", "P")
+RUN_STYLES = ("-", "--", "-.", ":")
+SOLVER_COLORS = {"euler": "C0", "midpoint": "C1", "rk4": "C2", "adaptive": "C3"}
+
+
+def reference_ppl(report: dict[str, Any]) -> float | None:
+    """The run's perplexity at its trained solver and N (what the relative panel divides
+    by): ``report["reference"]["ppl"]``, else its Euler curve at the trained N, else None."""
+    ref = report.get("reference") or {}
+    if ref.get("ppl") is not None:
+        return float(ref["ppl"])
+    value = report["ppl"].get("euler", {}).get(str(report.get("trained_num_steps")))
+    return None if value is None else float(value)
+
+
+def value_ticks(ax, values: Sequence[float]) -> None:
+    """Labelled y ticks at the data's scale: a log axis with 1-2-5 ticks (plus 1.5, 3, 7
+    when the data spans less than a decade) when the values span more than 3×, else linear."""
+    from matplotlib import ticker
+
+    lo, hi = min(values), max(values)
+    if hi / lo <= 3:
+        ax.yaxis.set_major_locator(ticker.MaxNLocator(8))
+        return
+    ax.set_yscale("log")
+    subs = (1.0, 2.0, 5.0) if hi / lo > 100 else (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)
+    ax.yaxis.set_major_locator(ticker.LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(ticker.NullLocator())
+
+
 def plot_depth_curves(reports: dict[str, dict[str, Any]], path) -> pathlib.Path:
-    """Perplexity against N on log axes: one line per solver, runs overlaid (solid, dashed);
-    the adaptive solver's perplexity as a dotted level per tolerance."""
+    """Two panels against N (log x): validation perplexity (labelled ticks at the data's
+    scale), and the same relative to each run's trained N in % (a symlog axis, linear
+    within ±5 %, so 1–2 % differences show next to a 25× blow-up). Colour = solver, marker
+    and dash = run; the adaptive solver as points right of the grid, one column per rtol,
+    annotated with their NFE; each run's trained N a vertical line named in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     path = pathlib.Path(path)
-    fig, ax = plt.subplots(figsize=(10, 4.8))
-    colors = {"euler": "C0", "midpoint": "C1", "rk4": "C2"}
+    ns = sorted({int(n) for rep in reports.values() for row in rep["ppl"].values() for n in row})
+    rtols = sorted({a["rtol"] for rep in reports.values() for a in rep["adaptive"]},
+                   reverse=True)
+    top = max(ns) if ns else 1
+    x_adaptive = {r: top * 1.7 ** (k + 1) for k, r in enumerate(rtols)}
+    fig, (ax, rel) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True,
+                                  gridspec_kw={"height_ratios": [3, 2]})
+    values, rel_values = [], []
     for i, (run, rep) in enumerate(reports.items()):
-        style = ("-", "--", ":", "-.")[i % 4]
+        marker, style = RUN_MARKERS[i % len(RUN_MARKERS)], RUN_STYLES[i % len(RUN_STYLES)]
+        ref = reference_ppl(rep)
         for solver, row in rep["ppl"].items():
             xs = sorted(int(n) for n in row)
-            ax.plot(xs, [row[str(n)] for n in xs], style, marker="o", ms=3,
-                    color=colors.get(solver), label=f"{run}: {solver}")
-        if rep.get("trained_num_steps"):
-            ax.axvline(rep["trained_num_steps"], color="grey", lw=0.5)
-        for j, a in enumerate(rep["adaptive"]):
-            ax.axhline(a["ppl"], ls=":", lw=1, color=f"C{3 + 2 * i + j}",
-                       label=f"{run}: adaptive rtol={a['rtol']:g} (NFE {a['nfe']:.0f})")
+            ys = [row[str(n)] for n in xs]
+            values += ys
+            kw = {"color": SOLVER_COLORS.get(solver), "marker": marker, "ms": 5, "lw": 1.4}
+            ax.plot(xs, ys, style, label=f"{run}: {solver}", **kw)
+            if ref:
+                pct = [100 * (y / ref - 1) for y in ys]
+                rel_values += pct
+                rel.plot(xs, pct, style, **kw)
+        for a in rep["adaptive"]:
+            x = x_adaptive[a["rtol"]]
+            values.append(a["ppl"])
+            kw = {"color": SOLVER_COLORS["adaptive"], "marker": marker, "ms": 7, "ls": "none",
+                  "mfc": "white" if i else None}
+            first = a is rep["adaptive"][0]
+            ax.plot([x], [a["ppl"]], label=f"{run}: adaptive (NFE)" if first else None, **kw)
+            ax.annotate(f"NFE {a['nfe']:.0f}", (x, a["ppl"]), textcoords="offset points",
+                        xytext=(7, -3 + 9 * i), fontsize=7, color=SOLVER_COLORS["adaptive"])
+            if ref:
+                pct = 100 * (a["ppl"] / ref - 1)
+                rel_values.append(pct)
+                rel.plot([x], [pct], **kw)
+                rel.annotate(f"{pct:+.1f}%", (x, pct), textcoords="offset points",
+                             xytext=(7, -3 + 9 * i), fontsize=7, color=SOLVER_COLORS["adaptive"])
+        n = rep.get("trained_num_steps")
+        if n:
+            solver = (rep.get("reference") or {}).get("solver") or "euler"
+            for a_ in (ax, rel):
+                a_.axvline(n, color="black", lw=1.0, ls=style, alpha=0.6,
+                           label=f"{run}: trained N={n} ({solver})" if a_ is ax else None)
     ax.set_xscale("log")
-    ax.set_yscale("log")
-    ticks = sorted({int(n) for rep in reports.values() for row in rep["ppl"].values()
-                    for n in row})
-    ax.set_xticks(ticks)
-    ax.set_xticklabels([str(n) for n in ticks])
-    ax.minorticks_off()
-    ax.set_xlabel("solver steps N")
+    if values:
+        value_ticks(ax, values)
+    rel.set_yscale("symlog", linthresh=5.0, linscale=3.0)
+    low = min(rel_values + [-1.0])
+    high = max(rel_values + [5.0])
+    rel.set_ylim(max(low, -50.0) * 1.3 - 0.5, high * (1.6 if high > 5 else 1.2))
+    rel.set_yticks([t for t in (-50, -20, *range(-5, 6), 20, 100, 1000, 10000, 100000)
+                    if low * 1.3 - 0.5 <= t <= high * 1.6])  # every 1 % in the linear part
+    rel.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:+g}%" if v else "0"))
+    rel.yaxis.set_minor_locator(ticker.NullLocator())
+    rel.axhline(0, color="black", lw=0.6)
+    ticks = ns + [x_adaptive[r] for r in rtols]
+    rel.set_xticks(ticks)
+    rel.set_xticklabels([str(n) for n in ns] + [f"adaptive\nrtol={r:g}" for r in rtols])
+    rel.xaxis.set_minor_locator(ticker.NullLocator())
+    if ticks:
+        rel.set_xlim(min(ticks) / 1.25, max(ticks) * 1.6)
+    rel.set_xlabel("solver steps N  (adaptive: its own steps; NFE = vector-field evaluations)")
     ax.set_ylabel("validation perplexity")
+    rel.set_ylabel("vs the run's trained N  (%)")
     ax.set_title("Depth curve: perplexity against the number of ODE steps")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    for a_ in (ax, rel):
+        a_.grid(alpha=0.3, which="major")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), handlelength=3.5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -30,7 +30,8 @@ class DataConfig:
     """Input pipeline settings.
 
     Batches depend only on (data, tokenizer, seq_len, global_batch_size, packing, seed,
-    first_fit_bins, process_count) and the step; thread/worker/prefetch counts never change them.
+    first_fit_bins, row_shuffle_window, process_count) and the step; thread/worker/prefetch
+    counts never change them.
     """
 
     # --- where the data is and how it was / is tokenized ---
@@ -51,6 +52,9 @@ class DataConfig:
     packing: str = "concat"          # 'concat' (concat-then-split) | 'first_fit'
     first_fit_bins: int = 0          # first_fit: max pieces carried to the next batch (0 = rows)
     num_epochs: int | None = None    # None = repeat forever (each epoch reshuffled)
+    # rows (per host) packed together and shuffled before they form batches, so a batch draws
+    # on many documents, not on one long one cut into consecutive rows (packing.py); 0 = off
+    row_shuffle_window: int = 4096
     # --- throughput (never change the batches) ---
     num_threads: int = 2             # record-reading / tokenizing threads
     prefetch: int = 2                # batches prefetched by a background thread (0 = none)
@@ -77,6 +81,9 @@ class DataConfig:
             raise ValueError(f"DataConfig.holdout_fraction={self.holdout_fraction} not in [0, 1)")
         if self.non_utf8 not in ("replace", "skip"):
             raise ValueError(f"DataConfig.non_utf8={self.non_utf8!r}: use 'replace' or 'skip'")
+        if self.row_shuffle_window < 0:
+            raise ValueError(f"DataConfig.row_shuffle_window={self.row_shuffle_window}: must be "
+                             ">= 0 (0: rows in packing order)")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"DataConfig.seed={self.seed} must be in [0, 2^32)")
 

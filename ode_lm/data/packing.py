@@ -18,6 +18,14 @@ streaming files: ``streaming.StreamingBlocks``) and packs it with ``concat`` or 
 Its state ``{"doc", "offset", "carry"}`` (next host document, tokens already used of it,
 first-fit pieces ``[doc, offset, length]`` waiting for room) is exact to the token; a source
 adds its own keys (streaming: ``window``, ``reader``).
+
+Row shuffle (``row_shuffle`` > 0 rows, ``DataConfig.row_shuffle_window``): packing cuts a long
+document into consecutive rows, so in packing order a small batch holds one document for
+many steps. The packer therefore packs a window of ``ceil(row_shuffle / rows)`` batches at
+once, permutes its rows (``shuffle.feistel_permute``, keyed by the seed and the window's
+first position) and hands them out ``rows`` at a time. The state is then the packing state at
+the window's start plus ``"row"``, the rows of the window already handed out: a restore
+re-packs the window (deterministic) and skips them, so resume stays exact and the state small.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ from typing import Any, Protocol
 
 import grain
 import numpy as np
+
+from ode_lm.data.shuffle import feistel_permute
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -131,8 +141,15 @@ class Packer(grain.DatasetIterator):
     """Packs a ``DocumentBlocks`` source into batches (module docstring: state, batch rule)."""
 
     def __init__(self, source: DocumentBlocks, *, rows: int, width: int, packing: str,
-                 eos_id: int, max_carry: int, start_doc: int = 0) -> None:
+                 eos_id: int, max_carry: int, start_doc: int = 0, row_shuffle: int = 0,
+                 seed: int = 0) -> None:
         super().__init__()
+        # row shuffle (module docstring): batches per window, the window, its start state
+        self._window_batches = -(-row_shuffle // rows) if row_shuffle > 0 else 0
+        self._seed = seed
+        self._window: dict[str, np.ndarray] | None = None
+        self._window_start: dict[str, Any] = {}
+        self._row = 0
         self._source, self._block_size = source, source.block_size
         self._rows, self._width, self._packing = rows, width, packing
         self._eos, self._max_carry = eos_id, max_carry
@@ -231,25 +248,66 @@ class Packer(grain.DatasetIterator):
 
     def __next__(self) -> dict[str, np.ndarray]:
         with self._stats.record_self_time():
-            if self._packing == "concat":
-                state = self.get_state()
-                try:
-                    tok, seg, pos = self._concat()
-                except StopIteration:
-                    self.set_state(state)
-                    raise
-            else:
-                tok, seg, pos = self._first_fit()
-            self._release()
-            return to_batch(tok, seg, pos, self._eos)
+            if not self._window_batches:
+                return self._pack_batch()
+            if self._window is None or self._row >= len(self._window["inputs"]):
+                self._fill_window()
+            assert self._window is not None
+            row, self._row = self._row, self._row + self._rows
+            return {k: v[row:row + self._rows] for k, v in self._window.items()}
 
-    def get_state(self) -> dict[str, Any]:
+    def _fill_window(self) -> None:
+        """Packs the next window of batches and permutes its rows (module docstring)."""
+        self._window, self._row = None, 0
+        self._window_start = start = self._pack_state()
+        batches = []
+        for _ in range(self._window_batches):
+            try:
+                batches.append(self._pack_batch())
+            except StopIteration:  # a finite stream's last, shorter window
+                break
+        if not batches:
+            raise StopIteration
+        n = len(batches) * self._rows
+        key = (self._seed << 32) ^ (start["doc"] << 12) ^ start["offset"]
+        perm = feistel_permute(np.arange(n), n, key)
+        self._window = {k: np.concatenate([b[k] for b in batches])[perm] for k in batches[0]}
+
+    def _pack_batch(self) -> dict[str, np.ndarray]:
+        """The next batch in packing order."""
+        if self._packing == "concat":
+            state = self._pack_state()
+            try:
+                tok, seg, pos = self._concat()
+            except StopIteration:
+                self._restore_pack_state(state)
+                raise
+        else:
+            tok, seg, pos = self._first_fit()
+        self._release()
+        return to_batch(tok, seg, pos, self._eos)
+
+    def _pack_state(self) -> dict[str, Any]:
         state = {"doc": self._doc, "offset": self._offset,
                  "carry": [list(c) for c in self._carry]}
         state.update(self._source.get_state(self._min_doc()))
         return state
 
+    def get_state(self) -> dict[str, Any]:
+        if not self._window_batches:
+            return self._pack_state()
+        if self._window is None or self._row >= len(self._window["inputs"]):
+            return {**self._pack_state(), "row": 0}  # the next window starts here
+        return {**self._window_start, "row": self._row}
+
     def set_state(self, state: dict[str, Any]) -> None:
+        self._restore_pack_state(state)
+        self._window, self._row = None, 0
+        if self._window_batches and state.get("row", 0):
+            self._fill_window()  # the same window again, then past its rows handed out
+            self._row = int(state["row"])
+
+    def _restore_pack_state(self, state: dict[str, Any]) -> None:
         self._blocks = {}
         self._doc, self._offset = int(state["doc"]), int(state["offset"])
         self._carry = [[int(x) for x in c] for c in state.get("carry", [])]

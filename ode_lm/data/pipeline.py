@@ -1,4 +1,5 @@
-"""The training pipeline: shards -> epoch-aware shuffle -> host slice -> pack -> batch -> prefetch.
+"""The training pipeline: shards -> epoch-aware shuffle -> host slice -> pack -> row shuffle ->
+batch -> prefetch.
 
 ``make_prepared_iterator`` (via ``data.make_train_iterator``) returns a checkpointable grain
 ``DatasetIterator`` of host-local batches: ``packing.Packer`` (batch format, mask rule, state)
@@ -10,7 +11,9 @@ where global position ``g`` is document ``shuffle_e(g mod N)`` of epoch ``e = g 
 fresh seeded permutation per epoch, ``shuffle.feistel_permute``). Hosts therefore
 split every epoch into disjoint parts that together cover it exactly. The iterator state is
 ``{"doc", "offset", "carry"}`` (position in the host's document sequence, tokens already used
-of the current document, first-fit pieces waiting for room): small JSON, exact to the token.
+of the current document, first-fit pieces waiting for room), plus ``"row"`` with the row
+shuffle on (``packing.Packer``: the packing state at the window's start and the rows of it
+handed out): small JSON, exact to the token.
 Threads and prefetch depth never change the batches.
 
 Fallback when the state is lost (e.g. a new topology): ``make_train_iterator(..., start_step=s)``
@@ -199,7 +202,8 @@ def make_prepared_iterator(cfg: DataConfig, *, process_index: int, process_count
         start_doc = int(start_step * rows * width // mean_doc)
     ds: grain.IterDataset = packing_lib.PackedDataset(
         lambda: PreparedBlocks(records, order), rows=rows, width=width, packing=cfg.packing,
-        eos_id=manifest["eos_id"], max_carry=cfg.first_fit_bins or rows, start_doc=start_doc)
+        eos_id=manifest["eos_id"], max_carry=cfg.first_fit_bins or rows,
+        row_shuffle=cfg.row_shuffle_window, seed=cfg.seed, start_doc=start_doc)
     if cfg.prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
     return iter(ds)

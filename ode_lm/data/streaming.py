@@ -236,7 +236,8 @@ def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_coun
     ds: grain.IterDataset = packing_lib.PackedDataset(
         lambda: StreamingBlocks(cfg, files, eos_id=tok.eos_id, start_file=start_file),
         rows=rows, width=cfg.seq_len + 1, packing=cfg.packing, eos_id=tok.eos_id,
-        max_carry=cfg.first_fit_bins or rows)
+        max_carry=cfg.first_fit_bins or rows,
+        row_shuffle=cfg.row_shuffle_window, seed=cfg.seed)
     if cfg.prefetch > 0:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=cfg.prefetch)
     return iter(ds)

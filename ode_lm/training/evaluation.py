@@ -10,7 +10,11 @@ output mean the same thing. A figure is plain only at the run's own solver and N
 * ``eval/loss@steps=M`` (and ``perplexity``, ``nfe``): the run's own solver at another M;
 * ``eval/loss@<solver>:steps=M``: another fixed-grid solver, at any M (its own N included);
 * ``eval/loss@<solver>:rtol=<rtol>``: an adaptive solver (its number of steps is its own);
-* ``eval/tokens``: the token count of the split, once.
+* ``eval/tokens``: the token count of the split, once;
+* ``eval/depth_gap/<setting>`` (the trainer's evals, ODE runs): the relative perplexity gap
+  ``ppl@<setting> / ppl − 1`` of every other setting against the run's own solver and N,
+  ``<setting>`` being the suffix's words after ``@`` (``depth_gaps``): a long run's drift
+  away from a continuous model, in one figure per setting.
 
 A setting is a ``Solve``; ``parse_solve`` reads the same words the names write
 (``'rk4:steps=8'``, ``'adaptive:rtol=1e-3'``, ``'steps=8'``: ``TrainConfig.eval_solves``).
@@ -30,6 +34,7 @@ from ode_lm.models import solvers as solvers_lib
 from ode_lm.training import step as step_lib
 from ode_lm.training.state import StateSpec
 
+GAP_PREFIX = "eval/depth_gap/"
 SOLVE_FORMS = "'<solver>:steps=<N>', '<adaptive solver>:rtol=<r>' or 'steps=<N>'"
 
 
@@ -164,11 +169,34 @@ class Evaluator:
         return self.evaluate(params, sweep_solves(num_steps, solver, rtol), atol=atol)
 
 
+def depth_gaps(results: Mapping[str, float], settings: Iterable[str]) -> dict[str, float]:
+    """``eval/depth_gap/<setting>`` = ``ppl@<setting> / ppl − 1`` for every suffix of
+    ``settings`` but the run's own (``''``) that ``results`` holds; ``{}`` without the own
+    perplexity. Computed from the logged perplexities, so it equals the same ratio of
+    ``ode-lm eval``'s figures on the same checkpoint."""
+    own = results.get("eval/perplexity")
+    if own is None:
+        return {}
+    return {f"{GAP_PREFIX}{suffix[1:]}": results[f"eval/perplexity{suffix}"] / own - 1.0
+            for suffix in settings if suffix and f"eval/perplexity{suffix}" in results}
+
+
+def gap_summary(results: Mapping[str, float]) -> str:
+    """The eval row's compact drift figure: the largest gap in size, signed, and its
+    setting (``'depth gap +1.8% at rk4:steps=24 (max of 3)'``); ``''`` without gaps."""
+    gaps = {k[len(GAP_PREFIX):]: v for k, v in results.items() if k.startswith(GAP_PREFIX)}
+    if not gaps:
+        return ""
+    setting, gap = max(gaps.items(), key=lambda kv: abs(kv[1]))
+    return f"depth gap {gap:+.1%} at {setting} (max of {len(gaps)})"
+
+
 def depth_table(results: Mapping[str, float], settings: Mapping[str, Solve]
                 ) -> tuple[list[str], set[str]]:
     """The run summary's table of validation perplexity at each evaluated setting (fixed
-    grids by solver then N, adaptive solvers last with their mean NFE), and the result
-    keys it shows; ``([], set())`` without settings."""
+    grids by solver then N, adaptive solvers last with their mean NFE; each with its depth
+    gap when ``results`` has it), and the result keys it shows; ``([], set())`` without
+    settings."""
     order = sorted(settings.items(), key=lambda kv: (kv[1].adaptive, kv[1].solver or "",
                                                      kv[1].num_steps or 0, kv[1].rtol or 0.0))
     rows, shown = [], {"eval/tokens"}
@@ -181,15 +209,20 @@ def depth_table(results: Mapping[str, float], settings: Mapping[str, Solve]
             note = f"mean NFE {results[f'eval/nfe{suffix}']:.1f}"
         else:
             setting, note = f"N={solve.num_steps}", "(the run's own N)" if not suffix else ""
-        rows.append(f"  {solve.solver or '':<9} {setting:<11} {ppl:>9.1f}  {note}".rstrip())
-        shown |= {f"eval/perplexity{suffix}", f"eval/nfe{suffix}"}
+        gap_key = f"{GAP_PREFIX}{suffix[1:]}"
+        gap = f"{results[gap_key]:+.1%}" if suffix and gap_key in results else ""
+        rows.append(f"  {solve.solver or '':<9} {setting:<11} {ppl:>9.1f} {gap:>7}  {note}"
+                    .rstrip())
+        shown |= {f"eval/perplexity{suffix}", f"eval/nfe{suffix}", gap_key}
         if suffix:
             shown.add(f"eval/loss{suffix}")
     if not rows:
         return [], set()
     tokens = results.get("eval/tokens")
     over = f" over {tokens:,.0f} tokens" if tokens is not None else ""
-    caption = f"one set of weights, solved with N steps (validation perplexity{over}):"
+    gapped = any(k.startswith(GAP_PREFIX) for k in results)
+    gaps = " and its gap to the run's own N" if gapped else ""
+    caption = f"one set of weights, solved with N steps (validation perplexity{over}{gaps}):"
     return [caption, *rows], shown
 
 

@@ -24,6 +24,7 @@ from ode_lm.config_types import check_types
 from ode_lm.models.accounting import param_count
 from ode_lm.models.config import ModelConfig
 from ode_lm.training import checkpoint as ckpt_lib
+from ode_lm.training import evaluation as evaluation_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import run_lock
 from ode_lm.training import state as state_lib
@@ -283,11 +284,13 @@ class Trainer:
         check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
-        """Every in-loop evaluation it was handed, in order, on the current parameters."""
+        """Every in-loop evaluation it was handed, in order, on the current parameters; for
+        an ODE run also the drift, ``eval/depth_gap/<setting>`` over its settings."""
         ctx = EvalContext(step, params, self.spec, self.data_config, self.evaluator)
         results: dict[str, float] = {}
         for hook in self.evals:
             results.update(hook(ctx))
+        results.update(evaluation_lib.depth_gaps(results, self.eval_settings))  # ODE: the drift
         return results
 
     # -------------------------------------------------------------------- loop
@@ -386,9 +389,10 @@ class Trainer:
     # ----------------------------------------------------------------- helpers
     def _log_eval(self, writer, step: int, results: dict[str, float]) -> None:
         writer.write_scalars(step, results)
-        shown = " | ".join(f"{k} {v:.4f}" for k, v in results.items()
-                           if not k.startswith(("eval/tokens", "eval/nfe")))
-        self.print(f"eval @ step {step} | {shown}")
+        shown = [f"{k} {v:.4f}" for k, v in results.items()
+                 if not k.startswith(("eval/tokens", "eval/nfe", evaluation_lib.GAP_PREFIX))]
+        gap = evaluation_lib.gap_summary(results)  # the drift, compact: the largest gap
+        self.print(" | ".join([f"eval @ step {step}", *shown, *([gap] if gap else [])]))
 
     def _start_record(self, start: int, resumed: bool) -> tuple[int, str] | None:
         """(start, operative config) when this start's config is to be kept: a first start,
