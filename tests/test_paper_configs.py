@@ -68,7 +68,8 @@ def test_paper_run_has_the_papers_values(run, vanilla):
 RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0),
            "depth_robust": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0)}
 RECIPE_KNOBS = ("time_scale", "time_max_period", "random_grid_offset", "num_steps_choices",
-                "kinetic_energy_weight")
+                "kinetic_energy_weight", "num_steps_weights", "distill_weight",
+                "distill_num_steps_choices", "solver_share", "share_solver", "share_num_steps")
 
 
 def _recipe(model, step) -> tuple:
@@ -89,6 +90,16 @@ def test_runs_take_their_recipe_from_one_include(files, recipe):
     assert model.solver == "euler" and step.solver is None
     if files == ["runs/demo.gin"]:  # the demo's own N is the middle of the drawn ones
         assert model.num_steps == 6
+
+
+def test_anytime_demo_is_depth_demo_plus_the_anytime_recipe():
+    """Same model, data, tokens and schedule as depth_demo.gin; the anytime options on."""
+    model, opt, data, steps, step = _configs("runs/anytime_demo.gin")
+    base_model, base_opt, base_data, base_steps, base_step = _configs("runs/depth_demo.gin")
+    assert (opt, data, steps) == (base_opt, base_data, base_steps)
+    assert model == base_model
+    assert step.distill_weight > 0 and step.distill_num_steps_choices
+    assert base_step.distill_weight == 0 and base_step.solver_share == 0
 
 
 def test_recipe_knobs_are_bound_only_in_the_recipes():
