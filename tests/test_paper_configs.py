@@ -68,7 +68,8 @@ def test_paper_run_has_the_papers_values(run, vanilla):
 RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0),
            "depth_robust": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0)}
 RECIPE_KNOBS = ("time_scale", "time_max_period", "random_grid_offset", "num_steps_choices",
-                "kinetic_energy_weight")
+                "kinetic_energy_weight", "num_steps_weights", "distill_weight",
+                "distill_num_steps_choices", "solver_share", "share_solver", "share_num_steps")
 
 
 def _recipe(model, step) -> tuple:
@@ -104,6 +105,16 @@ def test_baseline_demo_is_the_depth_demo_as_a_sequential_model_of_layers():
     sched = ("learning_rate", "warmup_steps", "min_lr_ratio", "clip_norm", "weight_decay")
     assert [getattr(base_opt, k) for k in sched] == [getattr(opt, k) for k in sched]
     assert (base_step.num_steps_choices, base_step.kinetic_energy_weight) == ((), 0.0)
+
+
+def test_anytime_demo_is_depth_demo_plus_the_anytime_recipe():
+    """Same model, data, tokens and schedule as depth_demo.gin; the anytime options on."""
+    model, opt, data, steps, step = _configs("runs/anytime_demo.gin")
+    base_model, base_opt, base_data, base_steps, base_step = _configs("runs/depth_demo.gin")
+    assert (opt, data, steps) == (base_opt, base_data, base_steps)
+    assert model == base_model
+    assert step.distill_weight > 0 and step.distill_num_steps_choices
+    assert base_step.distill_weight == 0 and base_step.solver_share == 0
 
 
 def test_recipe_knobs_are_bound_only_in_the_recipes():

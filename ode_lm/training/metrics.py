@@ -7,6 +7,7 @@ has just dispatched. Only process 0 writes event files.
 from __future__ import annotations
 
 import abc
+import functools
 import json
 import math
 import os
@@ -52,7 +53,7 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops: float) -> 
 
 
 # Per-step train outputs averaged (or last value) over a logging window.
-TrainMetrics = clu_metrics.Collection.create(
+_TRAIN_FIELDS = dict(
     loss=clu_metrics.Average.from_output("loss"),
     grad_norm=clu_metrics.Average.from_output("grad_norm"),
     param_norm=clu_metrics.LastValue.from_output("param_norm"),
@@ -61,14 +62,22 @@ TrainMetrics = clu_metrics.Collection.create(
     num_steps=clu_metrics.Average.from_output("num_steps"),
     kinetic_energy=clu_metrics.Average.from_output("kinetic_energy"),
 )
-TRAIN_METRIC_KEYS = ("loss", "grad_norm", "param_norm", "learning_rate", "skipped_steps",
-                     "num_steps", "kinetic_energy")
+TRAIN_METRIC_KEYS = tuple(_TRAIN_FIELDS)
+# Averaged when the step outputs them (recipe options of StepConfig that are on).
+OPTIONAL_TRAIN_METRIC_KEYS = ("distill_loss", "distill_num_steps", "solver_share")
+
+
+@functools.cache
+def _train_metrics(extra: tuple[str, ...]) -> Any:
+    return clu_metrics.Collection.create(
+        **_TRAIN_FIELDS, **{k: clu_metrics.Average.from_output(k) for k in extra})
 
 
 def accumulate(window: Any, outputs: Mapping[str, Any]) -> Any:
     """Merge one step's host-side outputs into the logging window."""
-    update = TrainMetrics.single_from_model_output(
-        **{k: np.asarray(outputs[k], np.float32) for k in TRAIN_METRIC_KEYS}
+    keys = TRAIN_METRIC_KEYS + tuple(k for k in OPTIONAL_TRAIN_METRIC_KEYS if k in outputs)
+    update = _train_metrics(keys[len(TRAIN_METRIC_KEYS):]).single_from_model_output(
+        **{k: np.asarray(outputs[k], np.float32) for k in keys}
     )
     return update if window is None else window.merge(update)
 

@@ -43,6 +43,20 @@ class StepConfig:
     # Kinetic-energy regulariser λ·∫ mean‖f(x, t)‖² dt ("How to train your Neural ODE",
     # Finlay et al. 2020): straighter trajectories that any solver integrates alike.
     kinetic_energy_weight: float = 0.0
+    # Relative weights of num_steps_choices (() = uniform), e.g. more weight on small N for
+    # a model that also holds at the cheap end (docs/depth.md).
+    num_steps_weights: tuple[float, ...] = ()
+    # Self-distillation across grids: in the same step a coarse solve, its N drawn uniformly
+    # from distill_num_steps_choices, learns the main (fine) solve's next-token
+    # distribution: distill_weight · KL(stop_gradient(p_fine) ‖ p_coarse) per token.
+    distill_weight: float = 0.0
+    distill_num_steps_choices: tuple[int, ...] = ()
+    # Solver-aware training: this share of steps (drawn per step) solves with share_solver
+    # at share_num_steps instead of the drawn N and the step's solver, so the exact flow
+    # (what RK4 and the adaptive solver compute) is trained too, not only Euler's.
+    solver_share: float = 0.0
+    share_solver: str = "rk4"
+    share_num_steps: int = 2
     # Stochastic forward (dropout, random grid offset) with a per-step RNG; None: on when
     # the model config asks for dropout or a random grid offset.
     dropout: bool | None = None
@@ -61,6 +75,25 @@ class StepConfig:
         if choices and self.num_steps is not None:
             raise ValueError("StepConfig: set num_steps or num_steps_choices, not both")
         object.__setattr__(self, "num_steps_choices", choices)
+        weights = self.num_steps_weights
+        if weights and (len(weights) != len(choices) or not all(w >= 0 for w in weights)
+                        or not sum(weights) > 0):
+            raise ValueError(f"StepConfig.num_steps_weights={weights!r}: expected one weight "
+                             f">= 0 per num_steps_choices entry {choices!r}, not all zero")
+        coarse = self.distill_num_steps_choices
+        if any(isinstance(n, bool) or n < 1 for n in coarse):
+            raise ValueError(f"StepConfig.distill_num_steps_choices={coarse!r}: "
+                             "expected positive ints")
+        if not self.distill_weight >= 0 or (self.distill_weight > 0) != bool(coarse):
+            raise ValueError(f"StepConfig.distill_weight={self.distill_weight}: must be >= 0, "
+                             "and > 0 exactly when distill_num_steps_choices is set")
+        if not 0 <= self.solver_share <= 1:
+            raise ValueError(f"StepConfig.solver_share={self.solver_share}: must be in [0, 1]")
+        if self.solver_share > 0:
+            solvers_lib.check_solver(self.share_solver)
+            if self.share_num_steps < 1:
+                raise ValueError(f"StepConfig.share_num_steps={self.share_num_steps}: "
+                                 "must be >= 1")
 
 
 def token_loss_sums(
@@ -83,6 +116,15 @@ def token_loss_sums(
 
 def _token_loss(spec, params, batch, *, num_steps, solver, dropout_key, **solve_options):
     """(loss sum, token count, solver stats) — ``token_loss_sums`` plus the NFE."""
+    logits, stats = _logits(spec, params, batch, num_steps=num_steps, solver=solver,
+                            dropout_key=dropout_key, **solve_options)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    return jnp.sum(ce * mask), jnp.sum(mask), {**stats, "logits": logits}
+
+
+def _logits(spec, params, batch, *, num_steps, solver, dropout_key, **solve_options):
+    """float32 logits [B, T, V] and the solver stats of one forward."""
     model = spec.model(params)
     rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
     # The rules make the model's logical activation constraints (activation_batch, ...)
@@ -101,11 +143,7 @@ def _token_loss(spec, params, batch, *, num_steps, solver, dropout_key, **solve_
             **solve_options,
         )
     logits, stats = logits
-    ce = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch["targets"]
-    )
-    mask = batch["loss_mask"].astype(jnp.float32)
-    return jnp.sum(ce * mask), jnp.sum(mask), stats
+    return logits.astype(jnp.float32), stats
 
 
 def _split_microbatches(batch: Batch, k: int, spec: StateSpec) -> Batch:
@@ -136,29 +174,30 @@ def make_train_step(
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         if choices:  # this step's N, from its own stream (microbatch keys fold in 0..k-1)
-            pick = jax.random.randint(jax.random.fold_in(key, _NUM_STEPS_STREAM), (), 0,
-                                      len(choices))
-            num_steps = jnp.asarray(choices, jnp.int32)[pick]
+            num_steps = _draw(jax.random.fold_in(key, _NUM_STEPS_STREAM), choices,
+                              config.num_steps_weights)
             solve_options = {"max_steps": max(choices)}
         else:
             num_steps, solve_options = config.num_steps, {}
+        draws = _recipe_draws(key, config)
 
         def loss_fn(p, mb, mb_key):
-            total, _, stats = _token_loss(
-                spec, p, mb, num_steps=num_steps, solver=config.solver,
-                dropout_key=mb_key if config.dropout else None, **solve_options,
-            )
-            energy = stats.get("kinetic_energy", jnp.zeros(()))
-            stats = {**stats, "kinetic_energy": energy}
-            # the data loss alone is the reported loss; the regulariser is its own metric
-            return total / num_tokens + config.kinetic_energy_weight * energy / k, stats
+            """(objective, (stats, data loss)): the data loss alone is the reported loss;
+            the regularisers are their own metrics."""
+            total, stats = _main_loss(spec, p, mb, mb_key, config, num_steps, solve_options,
+                                      draws)
+            logits = stats.pop("logits")
+            data_loss = total / num_tokens
+            objective = data_loss + config.kinetic_energy_weight * stats["kinetic_energy"] / k
+            if config.distill_weight > 0:
+                kl = _distill_loss(spec, p, mb, config, draws["coarse"],
+                                   jax.random.fold_in(mb_key, _DISTILL_STREAM),
+                                   jax.lax.stop_gradient(logits)) / num_tokens
+                objective = objective + config.distill_weight * kl
+                stats = {**stats, "distill_loss": kl * k}  # per token, like the loss
+            return objective, (stats, data_loss)
 
-        def loss_and_data_loss(p, mb, mb_key):
-            objective, stats = loss_fn(p, mb, mb_key)
-            return objective, (stats, objective - config.kinetic_energy_weight
-                               * stats["kinetic_energy"] / k)
-
-        grad_fn = jax.value_and_grad(loss_and_data_loss, has_aux=True)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if k == 1:
             (_, (stats, loss)), grads = grad_fn(params, batch, key)
         else:
@@ -173,7 +212,7 @@ def make_train_step(
             zeros = jax.tree.map(jnp.zeros_like, params)
             (loss, grads), stats = jax.lax.scan(body, (jnp.zeros(()), zeros),
                                                 (micro, jnp.arange(k)))
-            stats = {"nfe": stats["nfe"][0], "kinetic_energy": jnp.mean(stats["kinetic_energy"])}
+            stats = {name: v[0] if name == "nfe" else jnp.mean(v) for name, v in stats.items()}
 
         with jax.named_scope("optimizer"):  # names the update's ops in profiles
             grad_norm = optax.tree.norm(grads)
@@ -190,6 +229,9 @@ def make_train_step(
             "skipped": state["skipped"] + bad,
             "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
         }
+        step_n = _steps_metric(spec, params, num_steps, config.solver, stats)
+        if config.solver_share > 0:  # a shared-solver step reports its own N
+            step_n = jnp.where(draws["share"], float(config.share_num_steps), step_n)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -200,15 +242,75 @@ def make_train_step(
             "tokens": jnp.sum(batch["loss_mask"]),
             # solver steps of this step (N; the layer count for discrete baselines), as
             # vector-field evaluations / stages
-            "num_steps": _steps_metric(spec, params, num_steps, config.solver, stats),
+            "num_steps": step_n,
             "kinetic_energy": stats["kinetic_energy"],
         }
+        if config.distill_weight > 0:
+            metrics["distill_loss"] = stats["distill_loss"]
+            metrics["distill_num_steps"] = jnp.asarray(draws["coarse"], jnp.float32)
+        if config.solver_share > 0:
+            metrics["solver_share"] = draws["share"].astype(jnp.float32)
         return new_state, metrics
 
     return train_step
 
 
+def _draw(key: jax.Array, choices: tuple[int, ...], weights: tuple[float, ...] = ()):
+    """One entry of ``choices`` as a traced int32, uniform or by relative ``weights``."""
+    if weights:
+        logits = jnp.log(jnp.asarray(weights, jnp.float32) / sum(weights))
+        pick = jax.random.categorical(key, logits)
+    else:
+        pick = jax.random.randint(key, (), 0, len(choices))
+    return jnp.asarray(choices, jnp.int32)[pick]
+
+
+def _recipe_draws(key: jax.Array, config: StepConfig) -> dict:
+    """The step's coarse N (self-distillation) and whether it is a shared-solver step, each
+    from its own stream of the step's key, so resume stays exact."""
+    draws = {}
+    if config.distill_weight > 0:
+        draws["coarse"] = _draw(jax.random.fold_in(key, _DISTILL_STREAM),
+                                config.distill_num_steps_choices)
+    if config.solver_share > 0:
+        draws["share"] = jax.random.bernoulli(jax.random.fold_in(key, _SHARE_STREAM),
+                                              config.solver_share)
+    return draws
+
+
+def _main_loss(spec, params, mb, mb_key, config, num_steps, solve_options, draws):
+    """(loss sum, stats with kinetic energy and logits) of the step's main solve: the drawn
+    N with the step's solver, or on a shared-solver step ``share_solver`` at its N."""
+    dropout_key = mb_key if config.dropout else None
+
+    def solve(solver, n, options):
+        total, _, stats = _token_loss(spec, params, mb, num_steps=n, solver=solver,
+                                      dropout_key=dropout_key, **options)
+        return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32),
+                       "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(())),
+                       "logits": stats["logits"]}
+
+    if config.solver_share <= 0:
+        return solve(config.solver, num_steps, solve_options)
+    return jax.lax.cond(draws["share"],
+                        lambda: solve(config.share_solver, config.share_num_steps, {}),
+                        lambda: solve(config.solver, num_steps, solve_options))
+
+
+def _distill_loss(spec, params, mb, config, coarse_n, key, teacher_logits):
+    """Sum over counted tokens of KL(p_teacher ‖ p_coarse): the coarse-grid solve (Euler at
+    the drawn coarse N) pulled toward the fine solve's next-token distribution."""
+    logits, _ = _logits(spec, params, mb, num_steps=coarse_n, solver=config.solver,
+                        dropout_key=key if config.dropout else None,
+                        max_steps=max(config.distill_num_steps_choices))
+    log_t = jax.nn.log_softmax(teacher_logits)
+    kl = jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(logits)), axis=-1)
+    return jnp.sum(kl * mb["loss_mask"].astype(jnp.float32))
+
+
 _NUM_STEPS_STREAM = 0x4E535445  # fold_in id of the N draw ("NSTE"), apart from microbatches
+_DISTILL_STREAM = 0x44495354  # the coarse N and the coarse solve's grid offset ("DIST")
+_SHARE_STREAM = 0x53484152  # whether a step is a shared-solver step ("SHAR")
 
 
 def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, solver: str | None,

@@ -1,0 +1,148 @@
+"""Depth tables and gap-versus-step figures of trained runs, read from their metrics.jsonl.
+
+Every eval row of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) is a perplexity
+at some N or solver; the gap of a setting is its perplexity relative to the run's own N
+(``eval/perplexity``). The recipe search of docs/depth.md is printed and drawn with it:
+
+    python tools/depth_gap.py table a0=/work/runs/recipe/a0 a2=/work/runs/recipe/a2
+    python tools/depth_gap.py plot --out=docs/depth_gap.png robust=/work/runs/robust3000
+
+``NAME=DIR`` names a run; ``NAME=DIR@STEP`` picks one eval (default: the last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+EULER_NS = (1, 2, 3, 4, 6, 8, 12, 24)
+SOLVES = ("rk4:steps=8", "adaptive:rtol=0.001")
+
+
+def eval_rows(run_dir: str) -> list[dict]:
+    """The eval rows of a run's metrics.jsonl, by step (a re-run step's later row wins)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics.jsonl (not a run directory?)")
+    rows: dict[int, dict] = {}
+    train: list[dict] = []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "eval/perplexity" in row:
+            rows[row["step"]] = row
+        if "train/tokens_per_second" in row:
+            train.append(row)
+    for step, row in rows.items():
+        speeds = [r["train/tokens_per_second"] for r in train if r["step"] <= step]
+        row["tokens_per_second"] = statistics.median(speeds) if speeds else float("nan")
+    return [rows[s] for s in sorted(rows)]
+
+
+def setting_ppl(row: dict, setting: str) -> float | None:
+    """Perplexity at ``setting``: an Euler N as a string ('6'), or a solve spec."""
+    own = row["eval/perplexity"]
+    if setting.isdigit():
+        key = f"eval/perplexity@steps={setting}"
+        return row.get(key, own if int(setting) == int(row.get("eval/nfe", -1)) else None)
+    return row.get(f"eval/perplexity@{setting}")
+
+
+def _cell(value: float | None, own: float, mark_own: bool = False) -> str:
+    if value is None:
+        return "–"
+    text = f"{value:,.0f}" if value >= 1000 else f"{value:.1f}"
+    if mark_own:
+        return f"**{text}**"
+    return text if value >= 1000 else f"{text} ({100 * (value / own - 1):+.1f} %)"
+
+
+def table(runs: list[tuple[str, str, int | None]]) -> str:
+    """Markdown: one row per run (its last eval, or the named step)."""
+    head = ("| recipe | step | " + " | ".join(f"Euler N={n}" for n in EULER_NS)
+            + " | RK4 N=8 | adaptive 1e-3 (NFE) | tok/s |")
+    lines = [head, "|---|---:|" + "---:|" * (len(EULER_NS) + 3)]
+    for name, run_dir, step in runs:
+        rows = eval_rows(run_dir)
+        row = rows[-1] if step is None else next((r for r in rows if r["step"] == step), None)
+        if row is None:
+            raise ValueError(f"{run_dir}: no eval at step {step}")
+        own, own_n = row["eval/perplexity"], int(row["eval/nfe"])
+        cells = [_cell(setting_ppl(row, str(n)), own, n == own_n) for n in EULER_NS]
+        rk4 = _cell(setting_ppl(row, SOLVES[0]), own)
+        nfe = row.get(f"eval/nfe@{SOLVES[1]}")
+        ada = _cell(setting_ppl(row, SOLVES[1]), own)
+        ada = ada if nfe is None else f"{ada[:-1]}, {nfe:.0f})" if ada.endswith(")") else ada
+        lines.append(f"| {name} | {row['step']} | " + " | ".join(cells)
+                     + f" | {rk4} | {ada} | {row['tokens_per_second'] / 1e3:.2f}k |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
+    """Gap (%) against the run's own N versus training step: RK4 N=8, adaptive, Euler
+    N=4 and N=24 (left), Euler N=3 (right, its own scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax3) = plt.subplots(1, 2, figsize=(11, 4.2))
+    styles = {"rk4:steps=8": "-", "adaptive:rtol=0.001": "--", "4": ":", "24": "-."}
+    for i, (name, run_dir, _) in enumerate(runs):
+        rows = eval_rows(run_dir)
+        steps = [r["step"] for r in rows]
+        color = f"C{i}"
+        for setting, style in styles.items():
+            gaps = [_gap(r, setting) for r in rows]
+            label = f"{name}: " + (f"Euler N={setting}" if setting.isdigit() else setting)
+            ax.plot(steps, gaps, style, color=color, marker="o", ms=3, label=label)
+        ax3.plot(steps, [_gap(r, "3") for r in rows], "-", color=color, marker="o",
+                 label=f"{name}: Euler N=3")
+    for a, title in ((ax, "gap to the trained N (%)"), (ax3, "Euler N=3 gap (%)")):
+        a.axhline(0, color="0.6", lw=0.8)
+        a.set_xlabel("training step")
+        a.set_ylabel(title)
+        a.grid(alpha=0.3)
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def _gap(row: dict, setting: str) -> float:
+    value = setting_ppl(row, setting)
+    return float("nan") if value is None else 100 * (value / row["eval/perplexity"] - 1)
+
+
+def _parse_run(text: str) -> tuple[str, str, int | None]:
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=DIR or NAME=DIR@STEP")
+    run_dir, at, step = rest.partition("@")
+    if at and not step.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: the step after @ must be an integer")
+    return name, run_dir, int(step) if at else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("table", "plot"))
+    parser.add_argument("runs", nargs="+", type=_parse_run, help="NAME=DIR[@STEP]")
+    parser.add_argument("--out", help="plot: the PNG to write")
+    args = parser.parse_args(argv)
+    try:
+        if args.what == "table":
+            print(table(args.runs))
+        else:
+            if not args.out:
+                parser.error("plot needs --out")
+            plot(args.runs, args.out)
+    except (OSError, ValueError) as e:
+        print(f"depth_gap: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
