@@ -34,11 +34,11 @@ def materialize(model: DiffEqFormer, num_steps: int | None = None,
     if not isinstance(m, int) or m < 1:
         raise ValueError(f"materialize: num_steps={m!r} must be a positive int")
     cfg = model.config.replace(architecture="parallel", num_layers=m)
-    times = solvers.FixedGrid(m).times("euler")[:, 0]
-    stacked = jax.vmap(model.weights_at)(times)
+    grid = solvers.FixedGrid(m)
+    stacked = jax.vmap(model.weights_at)(grid.times("euler")[:, 0])
     for name in OUTPUT_PROJECTIONS:
         if name in stacked:
-            stacked[name] = stacked[name] * (1.0 / m)
+            stacked[name] = stacked[name] * grid.dt
     out = nnx.eval_shape(lambda: ParallelLM(cfg, nnx.Rngs(0)))
     for name, var in out.blocks.weights.items():
         _copy(var, stacked[name])
