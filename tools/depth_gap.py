@@ -1,4 +1,4 @@
-"""Depth tables and gap-versus-step figures of trained runs, read from their metrics.jsonl.
+"""Depth tables and gap-versus-step figures of trained runs, read from their metrics files.
 
 Every eval row of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) is a perplexity
 at some N or solver; the gap of a setting is its perplexity relative to the run's own N
@@ -18,15 +18,17 @@ import statistics
 import sys
 from pathlib import Path
 
+from ode_lm.training.run_dir import RunDir
+
 EULER_NS = (1, 2, 3, 4, 6, 8, 12, 24)
 SOLVES = ("rk4:steps=8", "adaptive:rtol=0.001")
 
 
 def eval_rows(run_dir: str) -> list[dict]:
-    """The eval rows of a run's metrics.jsonl, by step (a re-run step's later row wins)."""
-    path = Path(run_dir) / "metrics.jsonl"
+    """The eval rows of a run's metrics file, by step (a re-run step's later row wins)."""
+    path = Path(RunDir(run_dir).metrics)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no metrics.jsonl (not a run directory?)")
+        raise FileNotFoundError(f"{path}: no such file (not a run directory?)")
     rows: dict[int, dict] = {}
     train: list[dict] = []
     for line in path.read_text().splitlines():

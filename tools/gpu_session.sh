@@ -78,8 +78,8 @@ CHECKS=(tools/gpu_checks.py)
 
 pack() {  # the run tool returns <= 8 files from $OUT: fold the step files into one archive
   $PY tools/gpu_summary.py summary --steps_dir "$STEPS" --out "$OUT/summary.json" || true
-  [[ -d "$WORK/real_run" ]] && cp "$WORK"/real_run/{metrics.jsonl,events.out.tfevents.*} \
-    "$STEPS/" 2>/dev/null
+  # the run's top-level files (metrics, events, run record; not its checkpoints)
+  [[ -d "$WORK/real_run" ]] && find "$WORK/real_run" -maxdepth 1 -type f -exec cp {} "$STEPS/" \;
   tar -czf "$OUT/steps.tar.gz" -C "$OUT" steps && rm -rf "$STEPS"
   if [[ -d "$WORK/trace" ]]; then
     tar -czf "$OUT/trace.tar.gz" -C "$WORK" trace
