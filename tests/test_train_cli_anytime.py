@@ -1,6 +1,6 @@
 """Exact resume after SIGKILL and the TensorBoard scalars with the anytime recipe on
 (weighted random N, self-distillation across grids, a share of RK4 steps): the subprocess
-harness of test_train_cli with these StepConfig bindings added."""
+harness of train_cli_helpers with these StepConfig bindings added."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-import test_train_cli as cli
+import train_cli_helpers as cli
 
 pytestmark = pytest.mark.slow
 
