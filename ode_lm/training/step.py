@@ -292,9 +292,12 @@ def _main_loss(spec, params, mb, mb_key, config, num_steps, solve_options, draws
 
     if config.solver_share <= 0:
         return solve(config.solver, num_steps, solve_options)
-    return jax.lax.cond(draws["share"],
-                        lambda: solve(config.share_solver, config.share_num_steps, {}),
-                        lambda: solve(config.solver, num_steps, solve_options))
+    # Both solves run and one is selected: a lax.cond whose branches hold cross-device
+    # reductions deadlocked the multi-device CPU runtime when its executable came from the
+    # compilation cache (devices at different all-reduces), so the share costs both solves.
+    shared = solve(config.share_solver, config.share_num_steps, {})
+    main = solve(config.solver, num_steps, solve_options)
+    return jax.tree.map(lambda a, b: jnp.where(draws["share"], a, b), shared, main)
 
 
 def _distill_loss(spec, params, mb, config, coarse_n, key, teacher_logits):
