@@ -2,7 +2,7 @@
 
 jax, orbax, optax and gin expose no public way to do these few things; each access below
 names what it reaches into, so a version bump that moves one fails in one place, loudly,
-naming the call (``CompatError``), and ``tests/test_compat.py`` calls every one of them.
+naming the call (``CompatError``), and ``tests/pod/test_compat.py`` calls every one of them.
 This module imports gin only for its private config table: the gin owner (``gin_setup``)
 is its one caller there.
 """

@@ -10,7 +10,7 @@
 #       carry=["wheels"], timeout_s=400)
 # If smoke (import + one compile on the machine's jax) fails, the script stops right there.
 #
-# CPU dry run (what tests/test_gpu_session.py runs; micro sizes, short boxes):
+# CPU dry run (what tests/pod/test_gpu_session.py runs; micro sizes, short boxes):
 #   OUT=/tmp/out tools/gpu_session.sh --dry-run
 #
 # Wheels carried in wheels/ (tools/gpu_wheels.sh; 9.8 MiB together): grain 0.2.18,

@@ -13,7 +13,7 @@ import pytest
 
 from ode_lm import gin_setup
 
-PAPER = Path(__file__).resolve().parents[1] / "configs" / "runs" / "paper"
+PAPER = Path(__file__).resolve().parents[2] / "configs" / "runs" / "paper"
 
 # qkvflow yaml: hidden_dim, num_heads, num_layers, time_embed_dim, sinusodial_dim, seq_len,
 # train_batch_size, num_train_steps, learning_rate, weight_decay, beta2, epsilon, flavour
@@ -170,7 +170,7 @@ def _aot_tools():
 
     from ode_lm.commands import aot as aot_compile
 
-    tools = Path(__file__).resolve().parents[1] / "tools"
+    tools = Path(__file__).resolve().parents[2] / "tools"
     if str(tools) not in sys.path:  # aot_paper_runs is a developer script of tools/
         sys.path.insert(0, str(tools))
     import aot_paper_runs

@@ -27,7 +27,7 @@ from ode_lm.data import (
 )
 from ode_lm.data.sources import SkippedFiles, iter_documents
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 QUIET = {"num_proc": 1, "progress": False, "log": lambda *_: None}
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ode_lm.models import ModelConfig
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _analyze():

@@ -12,7 +12,7 @@ import pytest
 
 from ode_lm.commands import aot as aot_compile
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 GiB = 1024**3
 

@@ -23,7 +23,7 @@ from ode_lm.data.pipeline import open_split
 from ode_lm.data.prepare import is_validation, token_dtype
 from ode_lm.data.tokenizers import train_bpe
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def jsonl_config(tmp_path, texts=None, **kw) -> DataConfig:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ode_lm"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "ode_lm"
 RUN_FILES = {"metrics.jsonl", "sharding.txt", "run.lock", "model_config.json",
              "data_config.json", "finetune.json", "finetune_result.json", "checkpoints",
              "config.gin"}

@@ -12,7 +12,7 @@ import pytest
 from ode_lm.commands import scaling_report, sweep
 from ode_lm.models.config import ModelConfig
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture()

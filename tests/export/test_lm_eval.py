@@ -27,7 +27,7 @@ from ode_lm.harness.adapter import OdeLM  # noqa: E402
 from ode_lm.training.run_dir import RunDir  # noqa: E402
 from ode_lm.training.saved_run import load_model  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TASKS = "tests/lm_eval_tasks"  # relative: the YAMLs' data_files are relative to the repo root
 ALL = ["ode_lm_tiny"]  # the tag of the four tasks: mc, cloze, perplexity, generation
 N = 4  # evaluated at a depth the model was not trained at (its num_steps is 3)

@@ -19,7 +19,7 @@ from ode_lm.export.safetensors_io import INDEX_NAME, load_sharded
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.saved_run import load_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tokens(n=12):
@@ -158,7 +158,7 @@ def test_verify_without_the_hf_extra_stops_before_writing(tmp_path, capsys, monk
 
 
 def test_sequential_baseline_hf_refusals_one_line(tmp_path, capsys):
-    """Sequential baselines export to stock classes (tests/test_export_hf.py); what those
+    """Sequential baselines export to stock classes (tests/export/test_export_hf.py); what those
     classes cannot express is refused before anything is written."""
     run = str(tmp_path / "run")  # head_dim 9: ode-lm rotates 8 channels, Llama all 9
     make_run(run, tiny_config("llama", architecture="sequential", num_layers=2, d_model=36,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from data_helpers import cli_env, micro_cli_gin, tree_hash
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 slow = pytest.mark.slow
 
 

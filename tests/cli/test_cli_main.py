@@ -13,7 +13,7 @@ import pytest
 from ode_lm import __version__, main
 from ode_lm.commands import COMMANDS
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _env() -> dict[str, str]:

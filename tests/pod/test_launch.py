@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "launch" / "tpu_vm.sh"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "launch" / "tpu_vm.sh"
 NUM_WORKERS = 2
 
 FAKE_GCLOUD = """\

@@ -19,7 +19,7 @@ from data_helpers import cli_env, micro_cli_gin, tree_hash
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _env(workdir: Path) -> dict[str, str]:
