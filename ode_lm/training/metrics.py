@@ -64,7 +64,8 @@ _TRAIN_FIELDS = dict(
 )
 TRAIN_METRIC_KEYS = tuple(_TRAIN_FIELDS)
 # Averaged when the step outputs them (recipe options of StepConfig that are on).
-OPTIONAL_TRAIN_METRIC_KEYS = ("distill_loss", "distill_num_steps", "solver_share")
+OPTIONAL_TRAIN_METRIC_KEYS = ("distill_loss", "distill_num_steps", "solver_share",
+                              "kinetic_energy_weight")
 
 
 @functools.cache

@@ -43,6 +43,12 @@ class StepConfig:
     # Kinetic-energy regulariser λ·∫ mean‖f(x, t)‖² dt ("How to train your Neural ODE",
     # Finlay et al. 2020): straighter trajectories that any solver integrates alike.
     kinetic_energy_weight: float = 0.0
+    # A kinetic-energy weight that grows with training (None = constant): linear from
+    # kinetic_energy_weight at step 0 to this at kinetic_energy_ramp_steps, then held; a
+    # function of the step alone, so resume stays exact. Against the depth gap that opens
+    # as a long run bends its trajectories again (docs/depth.md).
+    kinetic_energy_weight_final: float | None = None
+    kinetic_energy_ramp_steps: int = 0
     # Relative weights of num_steps_choices (() = uniform), e.g. more weight on small N for
     # a model that also holds at the cheap end (docs/depth.md).
     num_steps_weights: tuple[float, ...] = ()
@@ -72,6 +78,11 @@ class StepConfig:
         if not self.kinetic_energy_weight >= 0:
             raise ValueError(f"StepConfig.kinetic_energy_weight={self.kinetic_energy_weight}:"
                              " must be >= 0")
+        final = self.kinetic_energy_weight_final
+        if final is not None and (not final >= 0 or self.kinetic_energy_ramp_steps < 1):
+            raise ValueError(f"StepConfig.kinetic_energy_weight_final={final}: must be >= 0, "
+                             "with kinetic_energy_ramp_steps >= 1 "
+                             f"(got {self.kinetic_energy_ramp_steps})")
         if choices and self.num_steps is not None:
             raise ValueError("StepConfig: set num_steps or num_steps_choices, not both")
         object.__setattr__(self, "num_steps_choices", choices)
@@ -180,6 +191,7 @@ def make_train_step(
         else:
             num_steps, solve_options = config.num_steps, {}
         draws = _recipe_draws(key, config)
+        ke_weight = kinetic_energy_weight(config, step)
 
         def loss_fn(p, mb, mb_key):
             """(objective, (stats, data loss)): the data loss alone is the reported loss;
@@ -188,7 +200,7 @@ def make_train_step(
                                       draws)
             logits = stats.pop("logits")
             data_loss = total / num_tokens
-            objective = data_loss + config.kinetic_energy_weight * stats["kinetic_energy"] / k
+            objective = data_loss + ke_weight * stats["kinetic_energy"] / k
             if config.distill_weight > 0:
                 kl = _distill_loss(spec, p, mb, config, draws["coarse"],
                                    jax.random.fold_in(mb_key, _DISTILL_STREAM),
@@ -245,6 +257,8 @@ def make_train_step(
             "num_steps": step_n,
             "kinetic_energy": stats["kinetic_energy"],
         }
+        if config.kinetic_energy_weight_final is not None:
+            metrics["kinetic_energy_weight"] = ke_weight
         if config.distill_weight > 0:
             metrics["distill_loss"] = stats["distill_loss"]
             metrics["distill_num_steps"] = jnp.asarray(draws["coarse"], jnp.float32)
@@ -253,6 +267,15 @@ def make_train_step(
         return new_state, metrics
 
     return train_step
+
+
+def kinetic_energy_weight(config: StepConfig, step: jax.Array) -> jax.Array:
+    """λ at ``step``: constant, or the linear ramp to ``kinetic_energy_weight_final``."""
+    w0 = jnp.float32(config.kinetic_energy_weight)
+    if config.kinetic_energy_weight_final is None:
+        return w0
+    frac = jnp.minimum(step.astype(jnp.float32) / config.kinetic_energy_ramp_steps, 1.0)
+    return w0 + (jnp.float32(config.kinetic_energy_weight_final) - w0) * frac
 
 
 def _draw(key: jax.Array, choices: tuple[int, ...], weights: tuple[float, ...] = ()):

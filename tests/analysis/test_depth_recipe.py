@@ -107,6 +107,9 @@ def test_weighted_draws_follow_the_weights():
     (dict(distill_weight=1.0, distill_num_steps_choices=(0,)), "distill_num_steps_choices"),
     (dict(solver_share=1.5), "solver_share"),
     (dict(solver_share=0.5, share_solver="rk5"), "rk5"),
+    (dict(kinetic_energy_weight_final=1.0), "kinetic_energy_ramp_steps"),
+    (dict(kinetic_energy_weight_final=-1.0, kinetic_energy_ramp_steps=10),
+     "kinetic_energy_weight_final"),
 ])
 def test_step_config_rejects_bad_recipe_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -150,3 +153,27 @@ def test_depth_gap_tool_tables_and_plots_a_runs_evals(tmp_path, repo_root):
     tool.plot([("r", str(tmp_path), None)], str(tmp_path / "gap.png"))
     assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
     assert tool.main(["table", f"r={tmp_path}@7"]) == 1  # no such eval: one line, exit 1
+
+
+def test_kinetic_energy_ramp_weights_the_step_as_a_constant_weight_would():
+    """At step s the ramped step takes the update of a constant-weight step at
+    λ(s) = λ0 + (λ1 − λ0)·min(s / ramp, 1), and logs λ(s)."""
+    spec = _spec(tiny_config())
+    ramp = step_lib.StepConfig(num_steps=2, kinetic_energy_weight=1.0,
+                               kinetic_energy_weight_final=5.0, kinetic_energy_ramp_steps=4)
+    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
+    state = state_lib.init_state(spec, 0)
+    sched = optax.constant_schedule(1e-3)
+    with jax.set_mesh(spec.mesh):
+        for s, lam in ((0, 1.0), (2, 3.0), (4, 5.0), (9, 5.0)):
+            at = {**state, "step": jnp.asarray(s, state["step"].dtype)}
+            new, m = jax.jit(step_lib.make_train_step(spec, sched, ramp))(at, batch)
+            const = step_lib.StepConfig(num_steps=2, kinetic_energy_weight=lam)
+            ref, m_ref = jax.jit(step_lib.make_train_step(spec, sched, const))(at, batch)
+            assert float(m["kinetic_energy_weight"]) == pytest.approx(lam)
+            np.testing.assert_allclose(float(m["grad_norm"]), float(m_ref["grad_norm"]),
+                                       rtol=1e-5)
+            assert jax.tree.all(jax.tree.map(
+                lambda a, b: bool(jnp.allclose(a, b, rtol=1e-5, atol=1e-7)),
+                new["params"], ref["params"]))
+    assert "kinetic_energy_weight" not in m_ref  # constant weight: not logged
