@@ -35,6 +35,8 @@ COMMANDS: dict[str, Command] = {
                        "exponents of a trained model"),
     "depth-report": Command("ode_lm.commands.depth_report", "perplexity at every step count and "
                             "solver, W(t) smoothness"),
+    "depth-gap": Command("ode_lm.commands.depth_gap", "the depth gap over training, from runs' "
+                         "metrics: markdown table or plot"),
     "aot": Command("ode_lm.commands.aot", "compile the train step for a TPU topology here: "
                    "memory fit, FLOPs, MFU"),
     "bench": Command("ode_lm.commands.bench", "time the train step: ODE vs vanilla, variants, "

@@ -128,15 +128,13 @@ def test_window_logs_recipe_metrics_only_when_the_step_outputs_them():
     assert float(values["distill_num_steps"]) == pytest.approx(2.0)
 
 
-def test_depth_gap_tool_tables_and_plots_a_runs_evals(tmp_path, repo_root):
-    """tools/depth_gap.py reads metrics.jsonl: the gap of each setting to the run's own N,
+def test_depth_gap_command_tables_and_plots_a_runs_evals(tmp_path, capsys):
+    """`ode-lm depth-gap` reads metrics.jsonl: the gap of each setting to the run's own N,
     the last eval by default or the one named, and a PNG of gap versus step."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("depth_gap", repo_root / "tools/depth_gap.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from ode_lm.commands import depth_gap as tool
+
     rows = [{"step": 50, "train/loss": 5.0, "train/tokens_per_second": 1000.0}]
     for step, own in ((100, 200.0), (200, 100.0)):
         rows.append({"step": step, "eval/perplexity": own, "eval/nfe": 6.0,
@@ -153,6 +151,10 @@ def test_depth_gap_tool_tables_and_plots_a_runs_evals(tmp_path, repo_root):
     tool.plot([("r", str(tmp_path), None)], str(tmp_path / "gap.png"))
     assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
     assert tool.main(["table", f"r={tmp_path}@7"]) == 1  # no such eval: one line, exit 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"ode-lm depth-gap: error: {tmp_path}: no eval at step 7", err
+    assert tool.main(["table", f"r={tmp_path / 'nope'}"]) == 1
+    assert "metrics.jsonl: no such file" in capsys.readouterr().err
 
 
 def test_kinetic_energy_ramp_weights_the_step_as_a_constant_weight_would():

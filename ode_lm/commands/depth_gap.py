@@ -1,13 +1,15 @@
-"""Depth tables and gap-versus-step figures of trained runs, read from their metrics files.
+"""Depth gap of trained runs over training, read from their metrics files (no re-evaluation).
 
-Every eval row of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) is a perplexity
-at some N or solver; the gap of a setting is its perplexity relative to the run's own N
-(``eval/perplexity``). The recipe search of docs/depth.md is printed and drawn with it:
+  ode-lm depth-gap table NAME=DIR[@STEP] ...
+  ode-lm depth-gap plot --out=FILE.png NAME=DIR ...
 
-    python tools/depth_gap.py table a0=/work/runs/recipe/a0 a2=/work/runs/recipe/a2
-    python tools/depth_gap.py plot --out=docs/depth_gap.png robust=/work/runs/robust3000
-
-``NAME=DIR`` names a run; ``NAME=DIR@STEP`` picks one eval (default: the last).
+Every in-loop eval of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) logs a
+perplexity at some N or solver; the gap of a setting is its perplexity relative to the run's
+own N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in TensorBoard. ``table`` prints
+one markdown row per run (Euler N = 1..24, RK4 N=8, adaptive rtol 1e-3, tokens/s; its last
+eval, or the one at STEP); ``plot`` draws the gap against the training step. The tables of
+docs/depth.md are printed with it. ``ode-lm depth-report`` re-evaluates one checkpoint at
+every N and solver instead.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from ode_lm import cli
 from ode_lm.training.run_dir import RunDir
 
 EULER_NS = (1, 2, 3, 4, 6, 8, 12, 24)
@@ -127,24 +130,26 @@ def _parse_run(text: str) -> tuple[str, str, int | None]:
     return name, run_dir, int(step) if at else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("table", "plot"))
-    parser.add_argument("runs", nargs="+", type=_parse_run, help="NAME=DIR[@STEP]")
-    parser.add_argument("--out", help="plot: the PNG to write")
+def build_parser(prog: str = "ode-lm depth-gap") -> argparse.ArgumentParser:
+    p = cli.doc_parser(prog, __doc__)
+    p.add_argument("what", choices=("table", "plot"))
+    p.add_argument("runs", nargs="+", type=_parse_run, help="NAME=DIR[@STEP]")
+    p.add_argument("--out", help="plot: the PNG to write")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
-    try:
-        if args.what == "table":
-            print(table(args.runs))
-        else:
-            if not args.out:
-                parser.error("plot needs --out")
-            plot(args.runs, args.out)
-    except (OSError, ValueError) as e:
-        print(f"depth_gap: {e}", file=sys.stderr)
-        return 1
+    if args.what == "plot" and not args.out:
+        parser.error("plot needs --out")
+    return cli.run_command(prog, lambda: run(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.what == "table":
+        print(table(args.runs))
+    else:
+        plot(args.runs, args.out)
+        print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
