@@ -160,7 +160,7 @@ def compare_grain(base: DataConfig, stream_source: str, seconds: float) -> None:
             f"{k} {v / 1e6:.2f} M tok/s" for k, v in rates.items()))
     manifest = pipeline.prep.load_manifest(base.data_dir)
     eos, rows, width = manifest["eos_id"], base.global_batch_size, base.seq_len + 1
-    docs = records.__getitems__(pipeline.HostOrder(n, 0, 0, 1, None).lookup(np.arange(2 * n)))
+    docs = records.__getitems__(pipeline.StreamOrder(n, 0, 0, 1, None).lookup(np.arange(2 * n)))
     docs = [d.astype(np.int32) for d in docs]
     for packing in ("concat", "first_fit"):
         it = packing_lib.Packer(_MemoryBlocks(docs), rows=rows, width=width, packing=packing,

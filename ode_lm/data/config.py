@@ -29,9 +29,10 @@ def default_data_dir(source: str = "builtin", tokenizer: str = "bpe:4096",
 class DataConfig:
     """Input pipeline settings.
 
-    Batches depend only on (data, tokenizer, seq_len, global_batch_size, packing, seed,
-    first_fit_bins, row_shuffle_window, process_count) and the step; thread/worker/prefetch
-    counts never change them.
+    Prepared batches depend only on (data, tokenizer, seq_len, global_batch_size, packing,
+    seed, first_fit_bins, row_shuffle_window) and the step, never on the host count (data
+    streams: ``streams.py``); thread/worker/prefetch counts never change them. Streaming
+    batches also depend on the host count.
     """
 
     # --- where the data is and how it was / is tokenized ---
@@ -50,10 +51,12 @@ class DataConfig:
     global_batch_size: int = 8
     seed: int = 0
     packing: str = "concat"          # 'concat' (concat-then-split) | 'first_fit'
-    first_fit_bins: int = 0          # first_fit: max pieces carried to the next batch (0 = rows)
+    first_fit_bins: int = 0          # first_fit: pieces a stream carries to its next row (0 = 8)
     num_epochs: int | None = None    # None = repeat forever (each epoch reshuffled)
-    # rows (per host) packed together and shuffled before they form batches, so a batch draws
-    # on many documents, not on one long one cut into consecutive rows (packing.py); 0 = off
+    # rows in flight, shared over the data streams (each packs and shuffles
+    # max(ceil(window / global_batch_size), min(window, 16)) of its rows at once), so a row's
+    # neighbours in time are not one long document cut into consecutive rows; 0 = off.
+    # Streaming: rows per host, packed together and shuffled (packing.py)
     row_shuffle_window: int = 4096
     # --- throughput (never change the batches) ---
     num_threads: int = 2             # record-reading / tokenizing threads

@@ -14,7 +14,8 @@ from ode_lm.data.streaming import make_streaming_iterator
 def make_train_iterator(cfg: DataConfig, *, process_index: int | None = None,
                         process_count: int | None = None, start_step: int = 0,
                         split: str = "train") -> grain.DatasetIterator:
-    """Host-local training batches of ``global_batch_size // process_count`` rows."""
+    """Host-local training batches of ``global_batch_size // process_count`` rows (prepared:
+    this host's rows of a global batch that does not depend on the host count)."""
     p, pc = resolve_processes(process_index, process_count)
     host_rows(cfg.global_batch_size, pc)  # the batch must split over the hosts, either way
     if cfg.streaming:
