@@ -109,8 +109,11 @@ class StreamOrder:
 
     def lookup(self, ks: np.ndarray) -> np.ndarray:
         """Record indices of stream documents ``ks`` (all < len(self))."""
-        g = self.p + self.pc * np.asarray(ks, np.int64)
-        epochs, j = np.divmod(g, self.n)
+        return self.at(self.p + self.pc * np.asarray(ks, np.int64))
+
+    def at(self, g: np.ndarray) -> np.ndarray:
+        """Record indices of global positions ``g`` (any streams: one permutation call)."""
+        epochs, j = np.divmod(np.asarray(g, np.int64), self.n)
         out = np.empty_like(j)
         for e in np.unique(epochs):
             sel = epochs == e
@@ -123,21 +126,54 @@ class StreamOrder:
         return int(self.lookup(np.array([k]))[0])
 
 
+class HostReader:
+    """Reads block ``b`` of every local stream about to need it in one call (one sorted read
+    per shard, one permutation), as the streams advance in step; a block is handed out once
+    (the packer keeps it), a re-read after a restore reads that stream's alone."""
+
+    def __init__(self, records: ShardRecords, orders: dict[int, StreamOrder],
+                 block_size: int) -> None:
+        self._records, self._orders, self.block_size = records, orders, block_size
+        self._next = dict.fromkeys(orders, 0)  # the block each stream reads next in order
+        self._ready: dict[tuple[int, int], list[np.ndarray]] = {}
+
+    def _range(self, v: int, b: int) -> np.ndarray:
+        start = b * self.block_size
+        return np.arange(start, min(start + self.block_size, len(self._orders[v])))
+
+    def read(self, v: int, b: int) -> list[np.ndarray]:
+        if (v, b) not in self._ready:
+            group = [u for u, nb in self._next.items() if nb == b] if self._next[v] == b else [v]
+            ks = [self._range(u, b) for u in group]
+            order = self._orders[v]
+            g = np.concatenate([u + order.pc * k for u, k in zip(group, ks, strict=True)])
+            docs = self._records.__getitems__(order.at(g)) if len(g) else []
+            at = 0
+            for u, k in zip(group, ks, strict=True):
+                self._ready[(u, b)], at = docs[at:at + len(k)], at + len(k)
+                self._next[u] = b + 1
+        return self._ready.pop((v, b))
+
+    def reset(self, v: int) -> None:
+        """Stream ``v`` was restored: it reads from wherever it asks next."""
+        for key in [k for k in self._ready if k[0] == v]:
+            del self._ready[key]
+        self._next[v] = -1
+
+
 class PreparedBlocks:
     """The prepared pipeline's ``packing.DocumentBlocks``: a stream's documents, in
-    ``StreamOrder``, read from the shards ``block_size`` at a time (nothing to add to the
-    state; the block size never changes the batches)."""
+    ``StreamOrder``, read through the host's ``HostReader`` (nothing to add to the state;
+    the block size never changes the batches)."""
 
-    def __init__(self, records: ShardRecords, order: StreamOrder, block_size: int = _BLOCK
-                 ) -> None:
-        self._records, self._order, self.block_size = records, order, block_size
+    def __init__(self, reader: HostReader, stream: int, order: StreamOrder) -> None:
+        self._reader, self._v, self._order = reader, stream, order
+        self.block_size = reader.block_size
 
     def read_block(self, b: int) -> list[np.ndarray]:
-        start = b * self.block_size
-        stop = min(start + self.block_size, len(self._order))
-        if start >= stop:
+        if b * self.block_size >= len(self._order):
             return []
-        return self._records.__getitems__(self._order.lookup(np.arange(start, stop)))
+        return self._reader.read(self._v, b)
 
     def release(self, low_block: int) -> None:
         pass
@@ -146,7 +182,7 @@ class PreparedBlocks:
         return {}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        pass
+        self._reader.reset(self._v)
 
     def epoch(self, doc: int, min_doc: int) -> int:
         return self._order.epoch(doc)
@@ -206,11 +242,12 @@ def stream_packers(cfg: DataConfig, records: ShardRecords, manifest: dict[str, A
     start_doc = int(start_step * width // (info["tokens"] / info["documents"])) if start_step else 0
     block = max(16, _BLOCK // max(1, len(streams)))  # ~_BLOCK documents a host reads at once
     window = streams_lib.window_rows(cfg.row_shuffle_window, num_streams)
+    orders = {v: StreamOrder(len(records), seed, v, num_streams, cfg.num_epochs) for v in streams}
+    reader = HostReader(records, orders, block)
 
     def make(component: int, v: int) -> packing_lib.Packer:
-        order = StreamOrder(len(records), seed, v, num_streams, cfg.num_epochs)
         return packing_lib.Packer(
-            PreparedBlocks(records, order, block), rows=1, width=width, packing=cfg.packing,
+            PreparedBlocks(reader, v, orders[v]), rows=1, width=width, packing=cfg.packing,
             eos_id=manifest["eos_id"], max_carry=cfg.first_fit_bins or packing_lib.FIRST_FIT_CARRY,
             row_shuffle=window, seed=cfg.seed, salt=salt * num_streams + v, start_doc=start_doc)
     return make
