@@ -46,6 +46,11 @@ class DataConfig:
     holdout_fraction: float = 0.0005  # validation fraction (document-content hash rule)
     holdout_seed: int = 2357
     docs_per_shard: int = 20_000     # preparation: documents per input chunk (= output shard pair)
+    # a mixture (ode_lm.data.mixture): {name: data dir | source spec | {data_dir, source,
+    # tokenizer, seq_len}}, each row drawing on one component by the weights in force
+    mixture: dict | None = None
+    # ((start step, {name: weight}), ...): staged weights; () = equal weights
+    mixture_weights: tuple = ()
     # --- batches ---
     seq_len: int = 256
     global_batch_size: int = 8
@@ -72,6 +77,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.mixture is not None:
+            self._check_mixture()
         if not self.data_dir:
             object.__setattr__(self, "data_dir", default_data_dir(
                 self.source, self.tokenizer, self.holdout_fraction, self.holdout_seed))
@@ -89,6 +96,19 @@ class DataConfig:
                              ">= 0 (0: rows in packing order)")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"DataConfig.seed={self.seed} must be in [0, 2^32)")
+
+    def _check_mixture(self) -> None:
+        from ode_lm.data import mixture
+
+        if not isinstance(self.mixture, dict) or not self.mixture:
+            raise ValueError(f"DataConfig.mixture={self.mixture!r}: expected a dict "
+                             "{name: data dir or source spec}")
+        if self.streaming:
+            raise ValueError("DataConfig.mixture: streaming mixtures are not supported "
+                             "(prepare the components)")
+        mixture.check_config(self)
+        if not self.data_dir:  # the first component's: its tokenizer is the run's
+            object.__setattr__(self, "data_dir", mixture.components(self)[0][1].data_dir)
 
     @property
     def eval_global_batch_size(self) -> int:
