@@ -25,10 +25,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from ode_lm.data import manifest as prep
 from ode_lm.data import pipeline
-from ode_lm.data import prepare as prep
 from ode_lm.data import streams as streams_lib
 from ode_lm.data.config import DataConfig, default_data_dir
+from ode_lm.data.prepare import ensure_prepared as prepare_one
 from ode_lm.data.shuffle import _mix
 
 _SPEC_KEYS = {"data_dir", "source", "tokenizer", "seq_len"}
@@ -164,7 +165,7 @@ def component_seed(cfg: DataConfig, name: str) -> int:
 def ensure_prepared(cfg: DataConfig) -> dict[str, Any]:
     """Every component prepared (process 0 first: the trainer's ``prepare_data_once``) and
     checked to agree; returns the first component's manifest."""
-    manifests = [(name, prep.ensure_prepared(c)) for name, c in components(cfg)]
+    manifests = [(name, prepare_one(c)) for name, c in components(cfg)]
     check_manifests(manifests)
     return manifests[0][1]
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 import grain
 
 from ode_lm.data import eval_sets
+from ode_lm.data import manifest as prep
 from ode_lm.data import mixture as mixture_lib
-from ode_lm.data import prepare as prep
 from ode_lm.data.config import DataConfig
 from ode_lm.data.pipeline import host_rows, make_prepared_iterator, resolve_processes
+from ode_lm.data.prepare import ensure_prepared as prepare_one
 from ode_lm.data.streaming import make_streaming_iterator
 
 
@@ -34,7 +35,7 @@ def make_train_iterator(cfg: DataConfig, *, process_index: int | None = None,
 
 def ensure_prepared(cfg: DataConfig, **kwargs) -> dict:
     """``prepare.ensure_prepared``; a mixture: every component, checked to agree."""
-    return mixture_lib.ensure_prepared(cfg) if cfg.mixture else prep.ensure_prepared(cfg, **kwargs)
+    return mixture_lib.ensure_prepared(cfg) if cfg.mixture else prepare_one(cfg, **kwargs)
 
 
 def eval_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
