@@ -18,6 +18,7 @@ config (``tokens_drawn``: the ``data/<component>/tokens`` the trainer logs).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import zlib
 from typing import Any
@@ -39,9 +40,15 @@ def components(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
     """``[(name, its single-source DataConfig)]`` in the mixture's order."""
     out = []
     for name, spec in (cfg.mixture or {}).items():
-        if isinstance(spec, str):
-            spec = ({"data_dir": spec} if os.path.exists(os.path.join(spec, prep.MANIFEST))
-                    else {"source": spec})
+        if isinstance(spec, str):  # a prepared dir brings its source and tokenizer
+            manifest = os.path.join(spec, prep.MANIFEST)
+            if os.path.exists(manifest):
+                with open(manifest) as f:
+                    m = json.load(f)
+                spec = {"data_dir": spec, "source": m["source"]["spec"],
+                        "tokenizer": m["tokenizer"]["spec"]}
+            else:
+                spec = {"source": spec}
         bad = set(spec) - _SPEC_KEYS if isinstance(spec, dict) else {"?"}
         if bad:
             raise ValueError(f"DataConfig.mixture[{name!r}]={spec!r}: expected a data dir, a "
