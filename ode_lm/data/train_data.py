@@ -5,6 +5,8 @@ components'."""
 
 from __future__ import annotations
 
+import itertools
+
 import grain
 
 from ode_lm.data import eval_sets
@@ -44,9 +46,10 @@ def eval_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
 
 
 def make_eval_iterator(cfg: DataConfig, split: str = "validation", **kwargs):
-    """Every eval batch once; a mixture: its components' in turn (the overall figure)."""
-    for _, c in eval_configs(cfg):
-        yield from eval_sets.make_eval_iterator(c, split, **kwargs)
+    """Every eval batch once; a mixture: its components' in turn (the overall figure). Each
+    set is opened (and checked) here, not at the first batch."""
+    its = [eval_sets.make_eval_iterator(c, split, **kwargs) for _, c in eval_configs(cfg)]
+    return its[0] if len(its) == 1 else itertools.chain.from_iterable(its)
 
 
 def check_eval_split(cfg: DataConfig, manifest: dict, split: str = "validation", **kwargs) -> int:
