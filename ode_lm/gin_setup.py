@@ -34,11 +34,17 @@ from ode_lm.finetune import FinetuneConfig, run_finetune
 from ode_lm.harness.run import LmEval
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
-from ode_lm.training.evaluation import EvalHook, LossEval
+from ode_lm.training.evaluation import EvalHook, EvalSets, LossEval
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.step import StepConfig
-from ode_lm.training.trainer import MeshConfig, TrainConfig, Trainer, TrainResult
+from ode_lm.training.trainer import (
+    MeshConfig,
+    TrainConfig,
+    Trainer,
+    TrainResult,
+    default_eval_data,
+)
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -205,7 +211,7 @@ def train(
         checkpoint_config=GinCheckpointConfig(),
         mesh_config=GinMeshConfig(),
         config_record=GinRecord(),
-        evals=in_loop_evals(train_config),
+        evals=in_loop_evals(train_config, data),
     )
     result = trainer.run()
     if report_unigram_entropy:
@@ -231,11 +237,12 @@ def finetune(model_dir: str = gin.REQUIRED, num_train_steps: int = gin.REQUIRED,
         print_fn=print_fn)
 
 
-def in_loop_evals(train_config: TrainConfig) -> list[EvalHook]:
+def in_loop_evals(train_config: TrainConfig, data: Any = None) -> list[EvalHook]:
     """The trainer's in-loop evaluations from ``TrainConfig``, built (and checked) before any
-    step: the loss at the model's own N, the depth sweep and ``eval_solves``; then the
-    ``lm_eval_tasks``."""
-    return [LossEval.from_config(train_config), *LmEval.from_config(train_config)]
+    step: the loss at the model's own N, the depth sweep and ``eval_solves`` (also per eval
+    set of a mixture, ``eval/<component>/...``); then the ``lm_eval_tasks``."""
+    return [LossEval.from_config(train_config), *eval_set_evals(train_config, data),
+            *LmEval.from_config(train_config)]
 
 
 def query(name: str) -> Any:
@@ -398,3 +405,15 @@ def literal_statements(text: str, where: str) -> Iterator[tuple[str, str, Any] |
             yield stmt.selector, stmt.arg_name, stmt.value
         else:
             yield None
+
+
+def eval_set_evals(train_config: TrainConfig, data_config: Any) -> list[EvalHook]:
+    """The per-eval-set losses (a mixture's components: ``eval/<name>/loss`` ...) at the
+    settings ``LossEval.from_config`` evaluates; ``[]`` for one eval set."""
+    from ode_lm import data as data_lib
+
+    if not getattr(data_config, "mixture", None):
+        return []
+    sets = [(name, lambda mesh, rules, c=c: default_eval_data(c, mesh, rules))
+            for name, c in data_lib.eval_configs(data_config)]
+    return [EvalSets(LossEval.from_config(train_config).solves, sets)]

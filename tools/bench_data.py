@@ -21,6 +21,7 @@ import json
 import os
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -160,7 +161,7 @@ def compare_grain(base: DataConfig, stream_source: str, seconds: float) -> None:
             f"{k} {v / 1e6:.2f} M tok/s" for k, v in rates.items()))
     manifest = pipeline.prep.load_manifest(base.data_dir)
     eos, rows, width = manifest["eos_id"], base.global_batch_size, base.seq_len + 1
-    docs = records.__getitems__(pipeline.HostOrder(n, 0, 0, 1, None).lookup(np.arange(2 * n)))
+    docs = records.__getitems__(pipeline.StreamOrder(n, 0, 0, 1, None).lookup(np.arange(2 * n)))
     docs = [d.astype(np.int32) for d in docs]
     for packing in ("concat", "first_fit"):
         it = packing_lib.Packer(_MemoryBlocks(docs), rows=rows, width=width, packing=packing,
@@ -247,6 +248,20 @@ class _FileDocs(grain.IterDataset):
         return _FileDocsIterator(self._path)
 
 
+def mixture_config(base: DataConfig) -> DataConfig:
+    """The built-in corpus split in two prepared halves with ``base``'s tokenizer (trained
+    once, on the whole corpus: the base data dir's tokenizer file), weighted 70/30."""
+    tok = (f"hf:{os.path.join(base.data_dir, 'tokenizer.json')}"
+           if base.tokenizer.startswith("bpe:") else base.tokenizer)
+    root = os.path.join(tempfile.gettempdir(), "ode_lm_cache", "bench_mixture")
+    parts = {name: {"source": f"builtin:part={i}/2", "tokenizer": tok,
+                    "data_dir": os.path.join(root, f"{name}-{zlib.crc32(tok.encode()):08x}")}
+             for i, name in enumerate(("even", "odd"))}
+    return dataclasses.replace(base, packing="concat", tokenizer=tok, data_dir=None,
+                               mixture=parts,
+                               mixture_weights=((0, {"even": 0.7, "odd": 0.3}),))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data_dir", default=None, help="prepared dir (default: built-in corpus)")
@@ -279,6 +294,11 @@ def main(argv: list[str] | None = None) -> None:
         rate, per_cpu, n = measure(dataclasses.replace(base, packing=packing), args.seconds)
         print(f"  prepared  {packing:9s}: {rate / 1e6:6.2f} M tokens/s "
               f"({per_cpu / 1e6:.2f} M per CPU-second, {n} batches)")
+    mix = mixture_config(base)  # the built-in corpus in two halves, weighted 70/30
+    ensure_prepared(mix)
+    rate, per_cpu, n = measure(mix, args.seconds)
+    print(f"  mixture   concat   : {rate / 1e6:6.2f} M tokens/s ({per_cpu / 1e6:.2f} M per "
+          f"CPU-second, {n} batches, 2 components of the built-in corpus, 70/30)")
     src = args.stream_source or builtin_jsonl(8)
     if args.grain:
         print("grain's pieces against ours (same process, alternating):")

@@ -29,9 +29,10 @@ def default_data_dir(source: str = "builtin", tokenizer: str = "bpe:4096",
 class DataConfig:
     """Input pipeline settings.
 
-    Batches depend only on (data, tokenizer, seq_len, global_batch_size, packing, seed,
-    first_fit_bins, row_shuffle_window, process_count) and the step; thread/worker/prefetch
-    counts never change them.
+    Prepared batches depend only on (data, tokenizer, seq_len, global_batch_size, packing,
+    seed, first_fit_bins, row_shuffle_window) and the step, never on the host count (data
+    streams: ``streams.py``); thread/worker/prefetch counts never change them. Streaming
+    batches also depend on the host count.
     """
 
     # --- where the data is and how it was / is tokenized ---
@@ -45,15 +46,22 @@ class DataConfig:
     holdout_fraction: float = 0.0005  # validation fraction (document-content hash rule)
     holdout_seed: int = 2357
     docs_per_shard: int = 20_000     # preparation: documents per input chunk (= output shard pair)
+    # a mixture (ode_lm.data.mixture): {name: data dir | source spec | {data_dir, source,
+    # tokenizer, seq_len}}, each row drawing on one component by the weights in force
+    mixture: dict | None = None
+    # ((start step, {name: weight}), ...): staged weights; () = equal weights
+    mixture_weights: tuple = ()
     # --- batches ---
     seq_len: int = 256
     global_batch_size: int = 8
     seed: int = 0
     packing: str = "concat"          # 'concat' (concat-then-split) | 'first_fit'
-    first_fit_bins: int = 0          # first_fit: max pieces carried to the next batch (0 = rows)
+    first_fit_bins: int = 0          # first_fit: pieces a stream carries to its next row (0 = 8)
     num_epochs: int | None = None    # None = repeat forever (each epoch reshuffled)
-    # rows (per host) packed together and shuffled before they form batches, so a batch draws
-    # on many documents, not on one long one cut into consecutive rows (packing.py); 0 = off
+    # rows in flight, shared over the data streams (each packs and shuffles
+    # max(ceil(window / global_batch_size), min(window, 16)) of its rows at once), so a row's
+    # neighbours in time are not one long document cut into consecutive rows; 0 = off.
+    # Streaming: rows per host, packed together and shuffled (packing.py)
     row_shuffle_window: int = 4096
     # --- throughput (never change the batches) ---
     num_threads: int = 2             # record-reading / tokenizing threads
@@ -69,6 +77,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        if self.mixture is not None:
+            self._check_mixture()
         if not self.data_dir:
             object.__setattr__(self, "data_dir", default_data_dir(
                 self.source, self.tokenizer, self.holdout_fraction, self.holdout_seed))
@@ -86,6 +96,19 @@ class DataConfig:
                              ">= 0 (0: rows in packing order)")
         if not 0 <= self.seed < 2**32:
             raise ValueError(f"DataConfig.seed={self.seed} must be in [0, 2^32)")
+
+    def _check_mixture(self) -> None:
+        from ode_lm.data import mixture
+
+        if not isinstance(self.mixture, dict) or not self.mixture:
+            raise ValueError(f"DataConfig.mixture={self.mixture!r}: expected a dict "
+                             "{name: data dir or source spec}")
+        if self.streaming:
+            raise ValueError("DataConfig.mixture: streaming mixtures are not supported "
+                             "(prepare the components)")
+        mixture.check_config(self)
+        if not self.data_dir:  # the first component's: its tokenizer is the run's
+            object.__setattr__(self, "data_dir", mixture.components(self)[0][1].data_dir)
 
     @property
     def eval_global_batch_size(self) -> int:

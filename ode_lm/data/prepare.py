@@ -221,7 +221,8 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
     tok = tok_lib.get_tokenizer(cfg.tokenizer, root)
     dtype = token_dtype(tok.vocab_size).str
     num_proc = max(1, num_proc if num_proc is not None else (os.cpu_count() or 1))
-    total = len(sources_lib.builtin_documents()) if sources_lib.is_builtin(cfg.source) else None
+    total = (len(sources_lib.builtin_source_documents(cfg.source))
+             if sources_lib.is_builtin(cfg.source) else None)
     bar = _progress(total, progress)
     markers: dict[int, dict[str, Any]] = {}
     pool = None
@@ -296,7 +297,7 @@ def _describe_source(cfg: DataConfig) -> dict[str, Any]:
                             "text_delimiter": cfg.text_delimiter}
     if sources_lib.is_builtin(cfg.source):
         info["python"] = sys.version.split()[0]
-        info["documents"] = len(sources_lib.builtin_documents())
+        info["documents"] = len(sources_lib.builtin_source_documents(cfg.source))
     elif not cfg.source.startswith("tfds:"):
         info["files"] = sources_lib.list_files(cfg.source)
     return info

@@ -2,6 +2,8 @@
 
 A source spec is one of
   * ``builtin`` - the standard-library docstring corpus (``ode_lm.data.corpus``);
+    ``builtin:part=<i>/<n>``: its documents ``i, i + n, ...`` (a corpus split into parts,
+    e.g. the components of ``configs/data/mixture_demo.gin``);
   * ``tfds:<name>[?split=train&data_dir=<dir>]`` - read through ``tfds.data_source``;
   * one or more comma-separated paths, globs or directories (local or ``gs://`` through
     ``etils.epath``). Files are typed by extension: ``.txt``, ``.jsonl``/``.json``
@@ -135,8 +137,28 @@ def _clean(text: str) -> Document:
         return text.encode("utf-8", "replace").decode("utf-8"), True
 
 
+_PART = re.compile(r"builtin:part=(\d+)/(\d+)")
+
+
 def is_builtin(spec: str) -> bool:
-    return spec in ("builtin", "builtin:stdlib")
+    return spec in ("builtin", "builtin:stdlib") or _builtin_part(spec) is not None
+
+
+def _builtin_part(spec: str) -> tuple[int, int] | None:
+    m = _PART.fullmatch(spec)
+    if m is None:
+        return None
+    i, n = int(m.group(1)), int(m.group(2))
+    if not 0 <= i < n:
+        raise SourceError(f"source {spec!r}: part {i} of {n} does not exist (0 <= i < n)")
+    return i, n
+
+
+def builtin_source_documents(spec: str) -> list[str]:
+    """The built-in corpus, or the part of it a ``builtin:part=i/n`` spec names."""
+    docs = builtin_documents()
+    part = _builtin_part(spec)
+    return docs if part is None else docs[part[0]::part[1]]
 
 
 def _walk(root: epath.Path) -> Iterator[str]:
@@ -409,7 +431,7 @@ def iter_documents(spec: str, *, text_field: str = "text", text_delimiter: str |
     """Every document of a source, in its fixed order; empty/unreadable files are skipped
     (recorded in ``skipped``), and a source without any document is an error."""
     if is_builtin(spec):
-        for d in builtin_documents():
+        for d in builtin_source_documents(spec):
             yield _clean(d)
         return
     if spec.startswith("tfds:"):

@@ -31,6 +31,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from ode_lm.config_types import check_types
+from ode_lm.data import streams as streams_lib
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
 from ode_lm.training.preemption import PreemptionWatcher, StopNow  # noqa: F401 - re-exported
@@ -285,7 +286,7 @@ class Checkpointer:
             try:
                 _check_data_item(self.directory / str(step))
                 return step, self.restore(step, abstract_state)
-            except ShapeMismatchError:
+            except (ShapeMismatchError, streams_lib.DataStateError):
                 raise
             except Exception as e:
                 _damaged(self.directory, step, e, steps[i + 1:])
@@ -293,18 +294,30 @@ class Checkpointer:
         return None, None
 
     def restore_data(self, step: int, data_iterator: Any) -> bool:
-        """Restore ``data_iterator`` in place from ``step`` if saved for this process layout."""
+        """Restore ``data_iterator`` in place from ``step``. A global (data-stream) state is
+        read from every host's file of the saving run, so any host count resumes it; a
+        per-host state (streaming, an injected iterator) only from this layout's file."""
         if data_iterator is None or not _is_grain_iterator(data_iterator):
             return False
-        if not self.data_restored(step):
+        data_dir = self.directory / str(step) / "data"
+        saved = _saved_data_states(data_dir)
+        if not saved:
             return False
-        args = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator))
-        self.manager.restore(step, args=args)
+        fresh = data_iterator.get_state()
+        ours = isinstance(fresh, dict) and fresh.get("format") == streams_lib.FORMAT
+        state = streams_lib.global_state(saved, str(data_dir), jax.process_index(),
+                                         jax.process_count(), streams=ours)
+        if state is None:
+            args = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator))
+            self.manager.restore(step, args=args)
+            return True
+        try:
+            data_iterator.set_state(state)
+        except streams_lib.DataStateError as e:
+            raise streams_lib.DataStateError(f"{data_dir}: {e}") from None
+        if hasattr(data_iterator, "start_prefetch"):
+            data_iterator.start_prefetch()
         return True
-
-    def data_restored(self, step: int) -> bool:
-        pidx, pcount = jax.process_index(), jax.process_count()
-        return (self.directory / str(step) / "data" / f"process_{pidx}-of-{pcount}.json").exists()
 
     def _raise_worker_error(self) -> None:
         if self._worker is not None and self._worker.error is not None:
@@ -351,11 +364,25 @@ def _complete_steps(directory: epath.Path) -> list[int]:
 
 
 def _check_data_item(step_dir: epath.Path) -> None:
-    """The grain iterator state of this process parses (a zero-byte file would only fail
-    later, inside grain, after the train state was already restored)."""
-    path = step_dir / "data" / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-    if path.exists():
-        json.loads(path.read_text())
+    """Every host's grain iterator state parses (a zero-byte file would only fail later,
+    inside grain, after the train state was already restored)."""
+    _saved_data_states(step_dir / "data")
+
+
+_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # grain's per-process file name
+
+
+def _saved_data_states(data_dir: epath.Path) -> dict[tuple[int, int], Any]:
+    """``{(process, count): parsed state}`` of every data state file of a step; ``{}``
+    without a data item."""
+    if not data_dir.exists():
+        return {}
+    out: dict[tuple[int, int], Any] = {}
+    for path in sorted(data_dir.iterdir()):
+        m = _STATE_FILE.fullmatch(path.name)
+        if m:
+            out[int(m.group(1)), int(m.group(2))] = json.loads(path.read_text())
+    return out
 
 
 def _damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:

@@ -240,6 +240,7 @@ class EvalContext:
     spec: Any
     data_config: Any
     evaluator: Evaluator
+    rules: Any = None  # the run's logical-axis rules (what eval sets shard their batches by)
 
 
 class EvalHook:
@@ -274,3 +275,31 @@ class LossEval(EvalHook):
 
     def settings(self, evaluator: Evaluator) -> dict[str, Solve]:
         return evaluator.settings(self.solves)
+
+
+class EvalSets(EvalHook):
+    """Loss and perplexity at each setting on named eval sets (a mixture's components):
+    ``eval/<name>/loss``, ``eval/<name>/perplexity`` (with the settings' suffixes), beside
+    the overall figures. ``sets``: ``[(name, batches(mesh, rules))]``; the eval steps are
+    the trainer's (jitted once per setting)."""
+
+    def __init__(self, solves: Sequence[Solve],
+                 sets: Sequence[tuple[str, Callable[[Any, Any], Iterable[dict]]]]):
+        self.solves, self.sets = list(solves), list(sets)
+        self._evaluators: dict[str, Evaluator] = {}
+
+    def __call__(self, ctx: EvalContext) -> dict[str, float]:
+        results: dict[str, float] = {}
+        base = ctx.evaluator
+        for name, batches in self.sets:
+            if name not in self._evaluators:
+                ev = Evaluator(ctx.spec, lambda b=batches: b(ctx.spec.mesh, ctx.rules),
+                               model_num_steps=base.model_num_steps,
+                               model_solver=base.model_solver, model_rtol=base.model_rtol,
+                               what=f"eval set {name!r}")
+                ev._steps = base._steps  # one jitted step per setting, shared
+                self._evaluators[name] = ev
+            for key, value in self._evaluators[name].evaluate(ctx.params, self.solves).items():
+                if not key.startswith(("eval/nfe", "eval/tokens")):
+                    results[f"eval/{name}/{key[len('eval/'):]}"] = value
+        return results

@@ -380,10 +380,12 @@ class MetricWindow:
         """Time nothing up to the next read (after an eval or other work outside a step)."""
         self._last_read = None
 
-    def log(self, step: int, writer: MetricWriter) -> str:
-        """Write the window's scalars at ``step``, start a new window; the progress line."""
+    def log(self, step: int, writer: MetricWriter, extra: dict[str, float] | None = None) -> str:
+        """Write the window's scalars (and ``extra``) at ``step``, start a new window; the
+        progress line."""
         values = {k: float(v) for k, v in self._metrics.compute().items()}
         scalars = {f"train/{k}": v for k, v in values.items()}
+        scalars.update(extra or {})
         scalars["train/tokens_seen"] = step * self.tokens_per_step
         tok_s = mfu_value = float("nan")
         if self._timed_steps and self._timed_seconds > 0:
@@ -411,8 +413,12 @@ class StepReader:
 
     def __init__(self, window: MetricWindow, writer: MetricWriter,
                  print_fn: Callable[[str], None],
-                 *, log_every: int, total_steps: int, max_bad_steps: int):
+                 *, log_every: int, total_steps: int, max_bad_steps: int,
+                 scalars: Callable[[int], dict[str, float]] | None = None):
+        """``scalars(step)``: more figures logged with each row (the data's, e.g. a
+        mixture's ``data/<component>/tokens``)."""
         self.window, self.writer, self.print = window, writer, print_fn
+        self.scalars = scalars or (lambda step: {})
         self.log_every, self.total_steps, self.max_bad_steps = log_every, total_steps, max_bad_steps
         self.first_loss: float | None = None
         self.last_loss: float | None = None
@@ -441,4 +447,4 @@ class StepReader:
             )
         self.window.add(outputs, dispatched=dispatched)
         if step % self.log_every == 0 or step == self.total_steps:
-            self.print(self.window.log(step, self.writer))
+            self.print(self.window.log(step, self.writer, self.scalars(step)))

@@ -286,7 +286,7 @@ class Trainer:
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
         """Every in-loop evaluation it was handed, in order, on the current parameters; for
         an ODE run also the drift, ``eval/depth_gap/<setting>`` over its settings."""
-        ctx = EvalContext(step, params, self.spec, self.data_config, self.evaluator)
+        ctx = EvalContext(step, params, self.spec, self.data_config, self.evaluator, self.rules)
         results: dict[str, float] = {}
         for hook in self.evals:
             results.update(hook(ctx))
@@ -339,7 +339,8 @@ class Trainer:
         window = metrics_lib.MetricWindow(tokens_per_step=tokens_per_step, flops_per_token=fpt,
                                           peak_flops=peak, total_steps=cfg.num_train_steps)
         reader = metrics_lib.StepReader(window, writer, self.print, log_every=cfg.log_every,
-                            total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps)
+                            total_steps=cfg.num_train_steps, max_bad_steps=cfg.max_bad_steps,
+                            scalars=data_scalars(self.data_config))
         watcher = PreemptionWatcher().install()
         result = TrainResult(cfg.model_dir, start, None, None, {},
                              eval_settings=self.eval_settings)
@@ -486,6 +487,14 @@ def default_train_data(data_config: Any, mesh, rules, start_step: int):
 
     iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
     return iterator, (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
+
+
+def data_scalars(data_config: Any) -> Callable[[int], dict[str, float]]:
+    """The data's figures after a step (a mixture: ``data/<component>/tokens``, cumulative,
+    a pure function of the config and the step; else none)."""
+    from ode_lm import data as data_lib
+
+    return data_lib.TokenCount(data_config)
 
 
 def default_eval_data(data_config: Any, mesh, rules):

@@ -89,6 +89,9 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "train: sequence too long": ([*TRAIN, "--gin.DataConfig.seq_len=4096"], "seq_len", FAILED),
     "train: data dir prepared with another holdout": (
         [*TRAIN, "--gin.DataConfig.holdout_fraction=0.5"], "holdout_fraction", FAILED),
+    "train: mixture components disagree": (
+        [*TRAIN, "--gin.DataConfig.mixture={{'a': 'builtin', 'b': {{'source': 'builtin', "
+         "'seq_len': 64}}}}"], "components 'a' and 'b' disagree on seq_len", FAILED),
     "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128",
                                                      FAILED),
     "train: binding syntax": ([*TRAIN, "--gin_bindings=ModelConfig.d_model = = 3"],

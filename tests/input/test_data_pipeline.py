@@ -1,4 +1,5 @@
-"""Training pipeline: batch format, packing invariants, determinism, host disjointness, resume."""
+"""Training pipeline: batch format, packing invariants, determinism, stream disjointness, the
+same global batches on any host count, resume."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from data_helpers import assert_batches_equal, builtin_config, run_resume_script
 
 from ode_lm.data import load_manifest, make_train_iterator, to_global_batch
 from ode_lm.data import packing as packing_lib
-from ode_lm.data.pipeline import HostOrder, open_split
+from ode_lm.data import streams as streams_lib
+from ode_lm.data.pipeline import StreamOrder, open_split
 from ode_lm.partitioning import LOGICAL_AXIS_RULES
 
 PACKINGS = ("concat", "first_fit")
@@ -44,16 +46,17 @@ def test_batch_format_and_packing_invariants(packing):
         assert np.all(b["loss_mask"][seg == 0] == 0)
 
 
-def host_docs(cfg, p, pc):
+def stream_docs(cfg, v, num_streams):
     _, records = open_split(cfg, "train")
-    order = HostOrder(len(records), cfg.seed, p, pc, num_epochs=1)
+    order = StreamOrder(len(records), cfg.seed, v, num_streams, num_epochs=1)
     return records, [order[k] for k in range(len(order))]
 
 
 def test_concat_every_token_of_an_epoch_exactly_once():
-    cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=4, seq_len=128,
+    """One data stream (a batch of one row) reads the whole epoch in packing order."""
+    cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=1, seq_len=128,
                          row_shuffle_window=0)  # packing order
-    records, order = host_docs(cfg, 0, 1)
+    records, order = stream_docs(cfg, 0, 1)
     stream = np.concatenate([records[i] for i in order]).astype(np.int32)
     rows = [np.c_[b["inputs"], b["targets"][:, -1:]] for b in make_train_iterator(
         cfg, process_index=0, process_count=1)]
@@ -64,8 +67,8 @@ def test_concat_every_token_of_an_epoch_exactly_once():
 
 
 def test_first_fit_places_every_document_once(monkeypatch):
-    cfg = builtin_config(packing="first_fit", num_epochs=1, seq_len=128)
-    records, order = host_docs(cfg, 0, 1)
+    cfg = builtin_config(packing="first_fit", num_epochs=1, seq_len=128, global_batch_size=1)
+    records, order = stream_docs(cfg, 0, 1)
     rows = []
     to_batch = packing_lib.to_batch
 
@@ -98,15 +101,15 @@ def test_determinism_seed_and_throughput_settings(packing):
     assert not np.array_equal(a[0]["inputs"], c[0]["inputs"])
 
 
-def test_epochs_are_reshuffled_and_hosts_disjoint():
+def test_epochs_are_reshuffled_and_streams_disjoint():
     cfg = builtin_config()
     n = len(open_split(cfg, "train")[1])
-    single = HostOrder(n, cfg.seed, 0, 1, None)
+    single = StreamOrder(n, cfg.seed, 0, 1, None)
     epoch0 = single.lookup(np.arange(n))
     epoch1 = single.lookup(np.arange(n, 2 * n))
     assert sorted(epoch0) == list(range(n)) == sorted(epoch1)
     assert not np.array_equal(epoch0, epoch1), "each epoch has its own permutation"
-    hosts = [HostOrder(n, cfg.seed, p, 4, 1) for p in range(4)]
+    hosts = [StreamOrder(n, cfg.seed, v, 4, 1) for v in range(4)]
     parts = [h.lookup(np.arange(len(h))) for h in hosts]
     union = np.concatenate(parts)
     assert len(union) == n and len(set(union.tolist())) == n, "no document twice, none skipped"
@@ -134,10 +137,13 @@ def test_start_step_fallback_is_deterministic_and_not_a_restart(packing):
     cfg = builtin_config(packing=packing)
     it = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
     info = load_manifest(cfg.data_dir)["splits"]["train"]
-    expected = int(50 * cfg.global_batch_size * (cfg.seq_len + 1)
-                   // (info["tokens"] / info["documents"]))
-    assert it.get_state()["doc"] == expected > 0
-    assert set(it.get_state()) == {"doc", "offset", "carry", "row"}, "the checkpointed keys"
+    expected = int(50 * (cfg.seq_len + 1) // (info["tokens"] / info["documents"]))
+    state = it.get_state()
+    assert set(state) == {"format", "step", "num_streams", "streams"}, "the checkpointed keys"
+    assert state["step"] == 50 and sorted(map(int, state["streams"])) == list(range(8))
+    for stream in state["streams"].values():  # every stream where it is after 50 rows
+        assert set(stream[""]) == {"doc", "offset", "carry", "row"}
+        assert stream[""]["doc"] == expected > 0
     again = make_train_iterator(cfg, process_index=0, process_count=1, start_step=50)
     assert_batches_equal(take(it, 2), take(again, 2))
 
@@ -196,36 +202,94 @@ def _rows(batches):
             for i, t in zip(b["inputs"], b["targets"], strict=True)]
 
 
-def test_row_shuffle_mixes_documents_in_a_batch_and_keeps_every_row():
-    """Packing order cuts a long document into consecutive rows, so a small batch can hold one
-    document; the row shuffle (on by default) hands out the same rows, window by window, in
-    a seeded order, so every batch of the built-in corpus draws on several documents."""
+def test_row_shuffle_decorrelates_a_streams_steps_and_keeps_every_row():
+    """Packing cuts a long document into consecutive rows, so in packing order a data stream
+    (one global row) shows one document for many steps; the row shuffle (on by default)
+    hands out the same rows, window by window, in a seeded order, so a stream's consecutive
+    steps rarely share a document."""
     cfg = builtin_config(packing="concat", num_epochs=1, global_batch_size=4, seq_len=32)
-    assert cfg.row_shuffle_window == 4096  # the default
-    records, order = host_docs(cfg, 0, 1)
-    doc_of_token = np.repeat(np.arange(len(order)), [len(records[i]) for i in order])
-    width, window_batches = cfg.seq_len + 1, 4096 // 4
-
-    def documents(batches, row_index):
-        """Documents each batch's rows draw on (a row's place in packing order -> tokens)."""
-        return [len({int(d) for row in _rows([b]) for d in
-                     doc_of_token[row_index[row] * width:(row_index[row] + 1) * width]})
-                for b in batches]
+    assert cfg.row_shuffle_window == 4096  # the default: 1024 rows per stream window here
+    window_batches = streams_lib.window_rows(4096, 4)
+    assert window_batches == 1024
+    width = cfg.seq_len + 1
+    doc_of_row = {}  # stream v's packed row (bytes) -> the documents it draws on
+    for v in range(4):
+        records, order = stream_docs(cfg, v, 4)
+        doc_of_token = np.repeat(np.arange(len(order)), [len(records[i]) for i in order])
+        doc_of_row[v] = doc_of_token
 
     packed = take(make_train_iterator(dataclasses.replace(cfg, row_shuffle_window=0),
                                       process_index=0, process_count=1), 2 * window_batches)
-    row_index = {row: i for i, row in enumerate(_rows(packed))}  # a repeated row: any place
+    index = [{row: s for s, row in enumerate(_rows([b])[v] for b in packed)} for v in range(4)]
+
+    def shared(batches):
+        """Fraction of (stream, step) whose row shares a document with its previous step's."""
+        hits = total = 0
+        for v in range(4):
+            docs = [set(doc_of_row[v][index[v][r] * width:(index[v][r] + 1) * width].tolist())
+                    for r in (_rows([b])[v] for b in batches)]
+            hits += sum(bool(a & b) for a, b in zip(docs, docs[1:], strict=False))
+            total += len(docs) - 1
+        return hits / total
+
     shuffled = take(make_train_iterator(cfg, process_index=0, process_count=1),
                     2 * window_batches)
     for w in (0, 1):  # each window: the same rows, another order
         part = slice(w * window_batches, (w + 1) * window_batches)
         assert sorted(_rows(shuffled[part])) == sorted(_rows(packed[part]))
         assert _rows(shuffled[part]) != _rows(packed[part])
-    before, after = documents(packed, row_index), documents(shuffled, row_index)
-    assert before.count(1) > 0, "the case under test: packing order gives one-document batches"
-    assert min(after) > 1, "every shuffled batch draws on more than one document"
+    before, after = shared(packed), shared(shuffled)
+    assert before > 0.5, f"the case under test: packing order repeats documents ({before:.2f})"
+    assert after < 0.1, f"shuffled, a stream's steps rarely share a document ({after:.2f})"
     again = take(make_train_iterator(cfg, process_index=0, process_count=1), 3)
     assert_batches_equal(again, shuffled[:3])  # deterministic given the seed
     other = take(make_train_iterator(dataclasses.replace(cfg, seed=1), process_index=0,
                                      process_count=1), 1)
     assert _rows(other) != _rows(shuffled[:1])
+
+
+@pytest.mark.parametrize("packing, window", [("concat", 0), ("concat", 4096),
+                                             ("first_fit", 0), ("first_fit", 4096)])
+def test_global_batch_is_the_same_on_any_host_count(packing, window):
+    """Host p's batch is rows [p*B/P, (p+1)*B/P) of one global batch that does not depend on
+    P: concatenated in host order, the hosts' batches of P = 2 and 4 are those of P = 1."""
+    cfg = builtin_config(packing=packing, row_shuffle_window=window)
+    steps = 6
+    whole = take(make_train_iterator(cfg, process_index=0, process_count=1), steps)
+    for pc in (2, 4):
+        hosts = [take(make_train_iterator(cfg, process_index=p, process_count=pc), steps)
+                 for p in range(pc)]
+        joined = [{k: np.concatenate([h[s][k] for h in hosts]) for k in whole[s]}
+                  for s in range(steps)]
+        assert_batches_equal(joined, whole)
+    assert len({r for b in whole for r in _rows([b])}) > steps, "rows differ across the batch"
+
+
+def test_data_state_resumes_on_another_host_count():
+    """The hosts' saved states together are a global state: 2 hosts save after k steps, and
+    1 host (or 4) restoring the union continues with the same global batches."""
+    cfg = builtin_config(packing="first_fit", row_shuffle_window=40)
+    k = 5
+    whole = take(make_train_iterator(cfg, process_index=0, process_count=1), 2 * k)
+    saved = {}
+    for p in range(2):
+        it = make_train_iterator(cfg, process_index=p, process_count=2)
+        take(it, k)
+        saved[(p, 2)] = it.get_state()
+    for pc in (1, 4):
+        state = streams_lib.global_state(saved, "ckpt", 0, pc, streams=True)
+        hosts = []
+        for p in range(pc):
+            it = make_train_iterator(cfg, process_index=p, process_count=pc)
+            it.set_state(state)
+            hosts.append(take(it, k))
+        joined = [{key: np.concatenate([h[s][key] for h in hosts]) for key in whole[0]}
+                  for s in range(k)]
+        assert_batches_equal(joined, whole[k:])
+    with pytest.raises(streams_lib.DataStateError, match="older ode-lm"):
+        streams_lib.global_state({(0, 2): {"doc": 3, "offset": 0, "carry": []}}, "ckpt/7/data",
+                                 0, 1, streams=True)
+    with pytest.raises(streams_lib.DataStateError, match="streaming resume needs the same host "
+                       r"count \(saved on 2 process\(es\), this job has 1\)"):
+        streams_lib.global_state({(0, 2): {"doc": 3, "reader": {}}}, "ckpt/7/data", 0, 1,
+                                 streams=False)

@@ -152,7 +152,7 @@ class _Window:
     def add(self, outputs, *, dispatched):
         self.added.append((float(outputs["loss"]), dispatched))
 
-    def log(self, step, writer):
+    def log(self, step, writer, extra=None):
         self.logged.append(step)
         return f"line {step}"
 
