@@ -22,7 +22,11 @@ from collections.abc import Sequence
 
 from ode_lm import cli
 
-SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint")
+SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint", "recipe")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # recipe: three more compiles, on request
+# section recipe: the training recipes' step cost, each read from configs/recipes/<name>.gin
+RECIPES = ("depth_robust", "anytime", "solver_aware")
+RECIPE_MODEL_KNOBS = ("time_scale", "time_max_period", "random_grid_offset")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 
 # Targets of issue 6 (on the 2-core CPU, config cpu_small).
@@ -49,7 +53,7 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "ode-lm bench"
     p.add_argument("--steps", type=int, default=10, help="timed steps per bench (>= 1)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per bench first (>= 1)")
     p.add_argument("--json", default=None, help="write all figures to this JSON file")
-    p.add_argument("--sections", default=",".join(SECTIONS),
+    p.add_argument("--sections", default=",".join(DEFAULT_SECTIONS),
                    help=f"comma list of {','.join(SECTIONS)}")
     p.add_argument("--platform", default="auto", help="auto (jax.devices()) | cpu | gpu | tpu")
     p.add_argument("--matmul-size", type=int, default=2048, help="n of the n x n peak matmul")
@@ -165,6 +169,10 @@ def run_bench(args: argparse.Namespace) -> dict:
               if os.path.isdir("/dev/shm") else []),
         ], True))
 
+    if "recipe" in args.sections:
+        plan.append(("recipe", [(name, bu.TrainBench(f"recipe {name}", cfg, *recipe_configs(
+            name, base), mesh)) for name in RECIPES], False))
+
     results: dict = {
         "config": dataclasses.asdict(cfg),
         "command": shlex.join(["ode-lm", "bench", *getattr(args, "argv", sys.argv[1:])]),
@@ -236,6 +244,21 @@ def run_bench(args: argparse.Namespace) -> dict:
             json.dump(results, f, indent=2, default=_json_default)
         print(f"wrote {args.json}")
     return results
+
+
+def recipe_configs(name: str, base):
+    """(ModelConfig, StepConfig) of ``base`` trained with ``configs/recipes/<name>.gin``: the
+    recipe files own the values, the bench only reads them."""
+    from ode_lm import gin_setup
+
+    path = gin_setup.CONFIGS_DIR / "recipes" / f"{name}.gin"
+    gin_setup.parse_gin(gin_setup.parse_flags([f"--gin_file={path}"]))
+    try:
+        bound = gin_setup.GinModelConfig()  # the recipe's knobs over the defaults
+        model = base.replace(**{k: getattr(bound, k) for k in RECIPE_MODEL_KNOBS})
+        return model, gin_setup.GinStepConfig()
+    finally:
+        gin_setup.clear()
 
 
 def _blocked(blocked_s: list[float]) -> dict:

@@ -287,3 +287,25 @@ def test_bench_checkpoint_bad_flags(repo_root, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         load_tool(repo_root, "bench_checkpoint").parse_args(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_recipe_section_reads_each_recipe_from_its_gin_file():
+    """`--sections=recipe` times the recipes as configs/recipes/<name>.gin set them (the bench
+    holds no recipe value of its own) and leaves no gin state behind."""
+    from ode_lm import gin_setup
+    from ode_lm.commands import bench
+    from ode_lm.models import ModelConfig
+
+    base = ModelConfig(vocab_size=64, d_model=32, num_heads=2, max_seq_len=16)
+    configs = {name: bench.recipe_configs(name, base) for name in bench.RECIPES}
+    robust_model, robust = configs["depth_robust"]
+    assert (robust_model.time_scale, robust_model.random_grid_offset) == (4.0, True)
+    assert robust.num_steps_choices == (4, 5, 6, 7, 8) and robust.kinetic_energy_weight == 2.0
+    assert robust.distill_weight == 0 and robust.solver_share == 0
+    assert configs["anytime"][1].distill_num_steps_choices == (2, 3)
+    aware = configs["solver_aware"][1]
+    assert (aware.solver_share, aware.share_solver, aware.share_num_steps) == (0.25, "rk4", 3)
+    assert all(model == robust_model for model, _ in configs.values())
+    assert "recipe" not in bench.DEFAULT_SECTIONS
+    with pytest.raises(ValueError):
+        gin_setup.query("StepConfig.solver_share")  # cleared after each read

@@ -69,7 +69,8 @@ RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0),
            "depth_robust": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0)}
 RECIPE_KNOBS = ("time_scale", "time_max_period", "random_grid_offset", "num_steps_choices",
                 "kinetic_energy_weight", "num_steps_weights", "distill_weight",
-                "distill_num_steps_choices", "solver_share", "share_solver", "share_num_steps")
+                "distill_num_steps_choices", "solver_share", "share_solver", "share_num_steps",
+                "kinetic_energy_weight_final", "kinetic_energy_ramp_steps")
 
 
 def _recipe(model, step) -> tuple:
@@ -115,6 +116,18 @@ def test_anytime_demo_is_depth_demo_plus_the_anytime_recipe():
     assert model == base_model
     assert step.distill_weight > 0 and step.distill_num_steps_choices
     assert base_step.distill_weight == 0 and base_step.solver_share == 0
+
+
+def test_depth_long_is_depth_demo_for_3000_steps_plus_the_solver_aware_recipe():
+    """Same model, data and schedule as depth_demo.gin (5× the steps); a quarter of the
+    steps solved with RK4 at N=3, the depth-robust knobs unchanged."""
+    model, opt, data, steps, step = _configs("runs/depth_long.gin")
+    base_model, base_opt, base_data, _, base_step = _configs("runs/depth_demo.gin")
+    assert (model, data, steps) == (base_model, base_data, 3000)
+    assert opt == base_opt
+    assert _recipe(model, step) == RECIPES["depth_robust"]
+    assert (step.solver_share, step.share_solver, step.share_num_steps) == (0.25, "rk4", 3)
+    assert base_step.solver_share == 0
 
 
 def test_recipe_knobs_are_bound_only_in_the_recipes():
