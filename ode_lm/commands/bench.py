@@ -170,8 +170,10 @@ def run_bench(args: argparse.Namespace) -> dict:
         ], True))
 
     if "recipe" in args.sections:
-        plan.append(("recipe", [(name, bu.TrainBench(f"recipe {name}", cfg, *recipe_configs(
-            name, base), mesh)) for name in RECIPES], False))
+        recipes = {name: recipe_configs(name, base) for name in RECIPES}
+        plan.append(("recipe", [(name, bu.TrainBench(f"recipe {name}", cfg, model, mesh,
+                                                     step_config=step))
+                                for name, (model, step) in recipes.items()], False))
 
     results: dict = {
         "config": dataclasses.asdict(cfg),
@@ -387,6 +389,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm bench") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv, prog)
     args.argv = argv  # for the JSON's "command"
+    cli.setup_logging()  # also drops gin's "Path not found" noise (section recipe reads gin)
 
     def body() -> int:
         run_bench(args)
