@@ -350,6 +350,9 @@ def test_config_changes_name_each_binding():
 def test_second_sigint_raises_stop_now():
     from ode_lm.training.preemption import PreemptionWatcher, StopNow
 
+    # a background job's SIGINT starts as SIG_IGN, a terminal's as default_int_handler:
+    # uninstall puts back whichever was there
+    before = signal.getsignal(signal.SIGINT)
     w = PreemptionWatcher().install()
     try:
         os.kill(os.getpid(), signal.SIGINT)
@@ -359,5 +362,5 @@ def test_second_sigint_raises_stop_now():
             time.sleep(0.1)
     finally:
         w.uninstall()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
