@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -98,18 +99,72 @@ class DataConfig:
             raise ValueError(f"DataConfig.seed={self.seed} must be in [0, 2^32)")
 
     def _check_mixture(self) -> None:
-        from ode_lm.data import mixture
-
         if not isinstance(self.mixture, dict) or not self.mixture:
             raise ValueError(f"DataConfig.mixture={self.mixture!r}: expected a dict "
                              "{name: data dir or source spec}")
         if self.streaming:
             raise ValueError("DataConfig.mixture: streaming mixtures are not supported "
                              "(prepare the components)")
-        mixture.check_config(self)
+        check_mixture(self)
         if not self.data_dir:  # the first component's: its tokenizer is the run's
-            object.__setattr__(self, "data_dir", mixture.components(self)[0][1].data_dir)
+            object.__setattr__(self, "data_dir", mixture_components(self)[0][1].data_dir)
 
     @property
     def eval_global_batch_size(self) -> int:
         return self.eval_batch_size or self.global_batch_size
+
+
+_SPEC_KEYS = {"data_dir", "source", "tokenizer", "seq_len"}
+
+
+def mixture_components(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
+    """``[(name, its single-source DataConfig)]`` in the mixture's order (ode_lm.data.mixture
+    samples them; here because DataConfig checks them when it is built)."""
+    from ode_lm.data.manifest import MANIFEST
+    out = []
+    for name, spec in (cfg.mixture or {}).items():
+        if isinstance(spec, str):  # a prepared dir brings its source and tokenizer
+            manifest = os.path.join(spec, MANIFEST)
+            if os.path.exists(manifest):
+                with open(manifest) as f:
+                    m = json.load(f)
+                spec = {"data_dir": spec, "source": m["source"]["spec"],
+                        "tokenizer": m["tokenizer"]["spec"]}
+            else:
+                spec = {"source": spec}
+        bad = set(spec) - _SPEC_KEYS if isinstance(spec, dict) else {"?"}
+        if bad:
+            raise ValueError(f"DataConfig.mixture[{name!r}]={spec!r}: expected a data dir, a "
+                             f"source spec or a dict with keys {sorted(_SPEC_KEYS)}")
+        source = spec.get("source", cfg.source)
+        tokenizer = spec.get("tokenizer", cfg.tokenizer)
+        data_dir = spec.get("data_dir") or default_data_dir(
+            source, tokenizer, cfg.holdout_fraction, cfg.holdout_seed)
+        out.append((name, dataclasses.replace(
+            cfg, mixture=None, mixture_weights=(), source=source, tokenizer=tokenizer,
+            data_dir=data_dir, seq_len=spec.get("seq_len", cfg.seq_len))))
+    return out
+
+
+def check_mixture(cfg: DataConfig) -> None:
+    """Settings errors, before anything is read: names, weights, tokenizers, seq lengths."""
+    comps = mixture_components(cfg)
+    first_name, first = comps[0]
+    for name, c in comps[1:]:
+        for field in ("tokenizer", "seq_len"):
+            if getattr(c, field) != getattr(first, field):
+                raise ValueError(f"DataConfig.mixture: components {first_name!r} and {name!r} "
+                                 f"disagree on {field} ({getattr(first, field)!r} vs "
+                                 f"{getattr(c, field)!r})")
+    stages = cfg.mixture_weights or ((0, dict.fromkeys(cfg.mixture, 1.0)),)
+    starts = [s for s, _ in stages]
+    if starts[0] != 0 or starts != sorted(set(starts)):
+        raise ValueError(f"DataConfig.mixture_weights: stage starts {starts} must begin at 0 and "
+                         "increase")
+    for start, weights in stages:
+        if not isinstance(weights, dict) or set(weights) != set(cfg.mixture) or \
+                any(not isinstance(w, int | float) or w < 0 for w in weights.values()) or \
+                sum(weights.values()) <= 0:
+            raise ValueError(f"DataConfig.mixture_weights at step {start}: {weights!r} must "
+                             f"weigh every component {sorted(cfg.mixture)} with weights >= 0 "
+                             "and a positive sum")

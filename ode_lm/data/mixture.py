@@ -17,9 +17,6 @@ config (``tokens_drawn``: the ``data/<component>/tokens`` the trainer logs).
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import zlib
 from typing import Any
 
@@ -29,62 +26,11 @@ import numpy as np
 from ode_lm.data import manifest as prep
 from ode_lm.data import pipeline
 from ode_lm.data import streams as streams_lib
-from ode_lm.data.config import DataConfig, default_data_dir
+from ode_lm.data.config import DataConfig
+from ode_lm.data.config import check_mixture as check_config  # noqa: F401 - settings: config.py
+from ode_lm.data.config import mixture_components as components
 from ode_lm.data.prepare import ensure_prepared as prepare_one
 from ode_lm.data.shuffle import _mix
-
-_SPEC_KEYS = {"data_dir", "source", "tokenizer", "seq_len"}
-
-
-def components(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
-    """``[(name, its single-source DataConfig)]`` in the mixture's order."""
-    out = []
-    for name, spec in (cfg.mixture or {}).items():
-        if isinstance(spec, str):  # a prepared dir brings its source and tokenizer
-            manifest = os.path.join(spec, prep.MANIFEST)
-            if os.path.exists(manifest):
-                with open(manifest) as f:
-                    m = json.load(f)
-                spec = {"data_dir": spec, "source": m["source"]["spec"],
-                        "tokenizer": m["tokenizer"]["spec"]}
-            else:
-                spec = {"source": spec}
-        bad = set(spec) - _SPEC_KEYS if isinstance(spec, dict) else {"?"}
-        if bad:
-            raise ValueError(f"DataConfig.mixture[{name!r}]={spec!r}: expected a data dir, a "
-                             f"source spec or a dict with keys {sorted(_SPEC_KEYS)}")
-        source = spec.get("source", cfg.source)
-        tokenizer = spec.get("tokenizer", cfg.tokenizer)
-        data_dir = spec.get("data_dir") or default_data_dir(
-            source, tokenizer, cfg.holdout_fraction, cfg.holdout_seed)
-        out.append((name, dataclasses.replace(
-            cfg, mixture=None, mixture_weights=(), source=source, tokenizer=tokenizer,
-            data_dir=data_dir, seq_len=spec.get("seq_len", cfg.seq_len))))
-    return out
-
-
-def check_config(cfg: DataConfig) -> None:
-    """Settings errors, before anything is read: names, weights, tokenizers, seq lengths."""
-    comps = components(cfg)
-    first_name, first = comps[0]
-    for name, c in comps[1:]:
-        for field in ("tokenizer", "seq_len"):
-            if getattr(c, field) != getattr(first, field):
-                raise ValueError(f"DataConfig.mixture: components {first_name!r} and {name!r} "
-                                 f"disagree on {field} ({getattr(first, field)!r} vs "
-                                 f"{getattr(c, field)!r})")
-    stages = cfg.mixture_weights or ((0, dict.fromkeys(cfg.mixture, 1.0)),)
-    starts = [s for s, _ in stages]
-    if starts[0] != 0 or starts != sorted(set(starts)):
-        raise ValueError(f"DataConfig.mixture_weights: stage starts {starts} must begin at 0 and "
-                         "increase")
-    for start, weights in stages:
-        if not isinstance(weights, dict) or set(weights) != set(cfg.mixture) or \
-                any(not isinstance(w, int | float) or w < 0 for w in weights.values()) or \
-                sum(weights.values()) <= 0:
-            raise ValueError(f"DataConfig.mixture_weights at step {start}: {weights!r} must "
-                             f"weigh every component {sorted(cfg.mixture)} with weights >= 0 "
-                             "and a positive sum")
 
 
 def check_manifests(manifests: list[tuple[str, dict[str, Any]]]) -> None:
