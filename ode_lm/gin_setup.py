@@ -35,6 +35,7 @@ from ode_lm.harness.run import LmEval
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
 from ode_lm.training.evaluation import EvalHook, EvalSets, LossEval
+from ode_lm.training.objective import TERMS
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.step import StepConfig
@@ -67,6 +68,8 @@ GinMeshConfig = register_with_gin(MeshConfig)
 GinTrainConfig = register_with_gin(TrainConfig)
 GinFinetuneConfig = register_with_gin(FinetuneConfig)
 GinDistributedConfig = register_with_gin(DistributedConfig)
+# the training objective's terms, listed by recipes: StepConfig.terms = [@KineticEnergy(), ...]
+GinTerms = {cls.__name__: register_with_gin(cls) for cls in TERMS}
 
 
 @dataclasses.dataclass

@@ -8,6 +8,7 @@ round-robin (one step of each in turn): a load spike then hits every variant ali
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -99,9 +100,11 @@ def dot_flops(jaxpr: jex_core.Jaxpr) -> float:
     return total
 
 
-def model_flops_per_step(spec: state_lib.StateSpec, schedule, step_config, batch: dict) -> float:
-    """Matmul FLOPs of one train step (fwd + bwd) as traced: the real step's jaxpr."""
-    fn = step_lib.make_train_step(spec, schedule, step_config)
+def model_flops_per_step(spec: state_lib.StateSpec, schedule, step_config, batch: dict,
+                         variant: tuple | None = None) -> float:
+    """Matmul FLOPs of one train step (fwd + bwd) as traced: the real step's jaxpr (of one
+    variant of the objective; default: its default variant)."""
+    fn = step_lib.make_train_step(spec, schedule, step_config, variant)
     with jax.set_mesh(spec.mesh):
         closed = jax.make_jaxpr(fn)(spec.abstract_state, batch)
     return dot_flops(closed.jaxpr)
@@ -193,15 +196,22 @@ class TrainBench:
         self.rules = partitioning.axis_rules()
         self.spec, self.schedule = bench_state_spec(model_config, mesh)
         abstract_batch = step_lib.abstract_batch(self.spec, bench.batch_size, bench.seq_len)
-        jitted = step_lib.jit_train_step(self.spec, self.schedule, step_config)
+        train_step = step_lib.jit_train_step(self.spec, self.schedule, step_config, seed)
+        # A recipe whose terms draw compiled variants (a shared-solver step, a distillation
+        # step): each is compiled and timed, and a step's figures are their mean weighted
+        # by how often the run draws each (over VARIANT_DRAW_STEPS of its steps).
+        self.variant_weights = variant_weights(train_step)
         with jax.set_mesh(mesh):
             t0 = time.perf_counter()
-            self.compiled = jitted.lower(self.spec.abstract_state, abstract_batch).compile()
+            self.programs = {v: train_step.program(v).lower(
+                self.spec.abstract_state, abstract_batch).compile()
+                for v in self.variant_weights}
             self.compile_s = time.perf_counter() - t0
             self.state = state_lib.init_state(self.spec, seed)
             sharding = partitioning.batch_sharding(mesh, self.rules)
             self.batch = {k: jax.device_put(v, sharding)
                           for k, v in synthetic_batch(bench, seed).items()}
+        self.compiled = self.programs[max(self.variant_weights, key=self.variant_weights.get)]
         self.mesh = mesh
         self.flops = accounting_flops_per_step(model_config, bench)
         self.traced_flops = math.nan
@@ -209,10 +219,15 @@ class TrainBench:
             # Matmul FLOPs as traced (full attention matrices), without remat recomputation.
             flops_spec = self.spec if model_config.remat == "none" else bench_state_spec(
                 model_config.replace(remat="none"), mesh)[0]
-            self.traced_flops = model_flops_per_step(flops_spec, self.schedule, step_config,
-                                              abstract_batch)
+            self.traced_flops = sum(
+                w * model_flops_per_step(flops_spec, self.schedule, step_config,
+                                         abstract_batch, v)
+                for v, w in self.variant_weights.items())
+        # as each variant's steps count them (a random N: the N each step drew)
+        self.flops_per_token: dict[tuple, list[float]] = collections.defaultdict(list)
         self.params = param_count(self.spec.abstract_params)["total"]
-        self.peak_bytes = compiled_peak_bytes(self.compiled)
+        peaks = [compiled_peak_bytes(c) for c in self.programs.values()]
+        self.peak_bytes = None if None in peaks else max(peaks)
         self.seed = seed
         self._init_run_state(checkpoint_every, checkpoint_root)
 
@@ -248,20 +263,36 @@ class TrainBench:
         return other
 
     def step(self) -> tuple[float, float]:
-        """Run one train step to completion (plus the save call): (wall s, process CPU s)."""
+        """Run one train step to completion (plus the save call): (wall s, process CPU s).
+        With several variants each runs once and the figures are their weighted mean."""
+        dt = dc = 0.0
         with jax.set_mesh(self.mesh):
-            t0, c0 = time.perf_counter(), time.process_time()
-            self.state, metrics = self.compiled(self.state, self.batch)
-            jax.block_until_ready((self.state, metrics))
+            for variant, weight in self.variant_weights.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                self.state, metrics = self.programs[variant](self.state, self.batch)
+                jax.block_until_ready((self.state, metrics))
+                dt += weight * (time.perf_counter() - t0)
+                dc += weight * (time.process_time() - c0)
+                self.flops_per_token[variant].append(float(metrics["flops_per_token"]))
             self.steps_done += 1
             if self.checkpointer is not None:
-                s0 = time.perf_counter()  # the loop is blocked from here until save returns
+                s0, c0 = time.perf_counter(), time.process_time()
                 if self.checkpointer.save(self.steps_done, self.state):
                     self.saves += 1
                     self.save_blocked_s.append(time.perf_counter() - s0)
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+                dt += time.perf_counter() - s0
+                dc += time.process_time() - c0
         self.last_loss = float(metrics["loss"])
         return dt, dc
+
+    @property
+    def step_flops(self) -> float:
+        """Model FLOPs of a step as the steps count them (each variant's, weighted; a random
+        N counts the N it drew), else the accounting at the config's N."""
+        if len(self.flops_per_token) < len(self.variant_weights):
+            return self.flops
+        return self.bench.tokens_per_step * sum(
+            w * statistics.fmean(self.flops_per_token[v]) for v, w in self.variant_weights.items())
 
     def close(self) -> float:
         """Finish pending saves (returns the seconds it waited) and delete the checkpoints."""
@@ -286,7 +317,8 @@ class TrainBench:
         step_s = mean if use_mean else med
         cpu_s = stat(cpus) if cpus else math.nan
         tok_s = self.bench.tokens_per_step / step_s
-        achieved = self.flops / step_s
+        flops = self.step_flops
+        achieved = flops / step_s
         return {
             "label": self.label,
             "architecture": self.model_config.architecture,
@@ -299,17 +331,29 @@ class TrainBench:
             "step_s_min": min(walls) if walls else math.nan,
             "steps_timed": len(times),
             "tokens_per_s": tok_s,
-            "flops_per_step": self.flops,
-            "flops_source": "ode_lm.models.accounting.flops_per_token(...).training x tokens",
+            "flops_per_step": flops,
+            "flops_source": "the step's own count (ode_lm.models.accounting per variant and "
+                            "drawn N) x tokens",
+            "variants": {str(v): w for v, w in self.variant_weights.items()},
             "traced_matmul_flops_per_step": self.traced_flops,
             "achieved_flops": achieved,
             "cpu_s": cpu_s,
             "mfu_vs_matmul_peak": achieved / peak[0],
-            "mfu_cpu_time": self.flops / cpu_s / peak[1],
+            "mfu_cpu_time": flops / cpu_s / peak[1],
             "mfu_vs_accelerator_peak": achieved / accel_peak_flops,
             "compiled_peak_bytes": self.peak_bytes,
             "last_loss": self.last_loss,
         }
+
+
+VARIANT_DRAW_STEPS = 10_000
+
+
+def variant_weights(train_step: step_lib.TrainStep) -> dict[tuple, float]:
+    """How often a run draws each variant of its objective, over its first
+    ``VARIANT_DRAW_STEPS`` steps (the draws are the run's own: seed and step)."""
+    counts = collections.Counter(train_step.variant(s) for s in range(VARIANT_DRAW_STEPS))
+    return {v: counts[v] / VARIANT_DRAW_STEPS for v in train_step.variants() if counts[v]}
 
 
 def time_in_blocks(benches: Sequence[TrainBench], steps: int, warmup: int = 2,

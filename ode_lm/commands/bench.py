@@ -25,7 +25,7 @@ from ode_lm import cli
 SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint", "recipe")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # recipe: three more compiles, on request
 # section recipe: the training recipes' step cost, each read from configs/recipes/<name>.gin
-RECIPES = ("depth_robust", "anytime", "solver_aware")
+RECIPES = ("depth_robust", "default", "anytime", "solver_aware")
 RECIPE_MODEL_KNOBS = ("time_scale", "time_max_period", "random_grid_offset")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
 
@@ -330,7 +330,7 @@ def _target(value: float, limit: float | None, op: str, value_cpu: float | None 
 def format_table(results: dict) -> str:
     head = (f"{'group':<11} {'variant':<24} {'step ms':>9} {'tok/s':>8} {'rel':>6} "
             f"{'CPU ms':>8} {'rel':>6} {'MFU mm':>7} {'MFU cpu':>7} {'MFU acc':>7} "
-            f"{'compile s':>9} {'peak MiB':>8} {'params M':>8}")
+            f"{'compile s':>9} {'peak MiB':>8} {'params M':>8} {'GFLOP/step':>10}")
     lines = ["", head, "-" * len(head)]
     for group, rows in results["groups"].items():
         for r in rows:
@@ -343,7 +343,7 @@ def format_table(results: dict) -> str:
                 f"{100 * r['mfu_vs_matmul_peak']:>6.1f}% {100 * r['mfu_cpu_time']:>6.1f}% "
                 f"{100 * r['mfu_vs_accelerator_peak']:>6.1f}% "
                 f"{r['compile_s']:>9.1f} {'n/a' if peak is None else f'{peak / 2**20:.1f}':>8} "
-                f"{r['params'] / 1e6:>8.2f}")
+                f"{r['params'] / 1e6:>8.2f} {r['flops_per_step'] / 1e9:>10.2f}")
     for r in results["groups"].get("checkpoint", []):
         if r.get("save_blocked_ms") is not None:
             lines.append(
@@ -354,6 +354,8 @@ def format_table(results: dict) -> str:
                  "count); CPU ms: process CPU time per step (both cores; robust to other "
                  "processes' load); rel: vs the first row of the group (round-robin groups: "
                  "median over rounds of the per-round ratio)")
+    lines.append("GFLOP/step: model FLOPs of a step as the step counts them (a recipe: each "
+                 "compiled variant's, weighted by how often the run draws it)")
     lines.append("MFU: model FLOPs (ode_lm.models.accounting) per second over the peak; mm: vs "
                  "the measured fp32 jnp.dot peak (wall); cpu: both per CPU-second; acc: vs the "
                  "accelerator peak")

@@ -63,24 +63,40 @@ _TRAIN_FIELDS = dict(
     kinetic_energy=clu_metrics.Average.from_output("kinetic_energy"),
 )
 TRAIN_METRIC_KEYS = tuple(_TRAIN_FIELDS)
-# Averaged when the step outputs them (recipe options of StepConfig that are on).
+# Averaged over the steps that output them: the objective's terms (a term that ran on a
+# share of the steps reports on those), and the FLOPs per token of what each step ran.
 OPTIONAL_TRAIN_METRIC_KEYS = ("distill_loss", "distill_num_steps", "solver_share",
-                              "kinetic_energy_weight")
+                              "kinetic_energy_weight", "flops_per_token")
 
 
 @functools.cache
-def _train_metrics(extra: tuple[str, ...]) -> Any:
-    return clu_metrics.Collection.create(
-        **_TRAIN_FIELDS, **{k: clu_metrics.Average.from_output(k) for k in extra})
+def _train_metrics() -> Any:
+    return clu_metrics.Collection.create(**_TRAIN_FIELDS)
 
 
-def accumulate(window: Any, outputs: Mapping[str, Any]) -> Any:
-    """Merge one step's host-side outputs into the logging window."""
-    keys = TRAIN_METRIC_KEYS + tuple(k for k in OPTIONAL_TRAIN_METRIC_KEYS if k in outputs)
-    update = _train_metrics(keys[len(TRAIN_METRIC_KEYS):]).single_from_model_output(
-        **{k: np.asarray(outputs[k], np.float32) for k in keys}
-    )
-    return update if window is None else window.merge(update)
+@functools.cache
+def _optional_metric(key: str) -> Any:
+    return clu_metrics.Collection.create(**{key: clu_metrics.Average.from_output(key)})
+
+
+def accumulate(window: dict | None, outputs: Mapping[str, Any]) -> dict:
+    """Merge one step's host-side outputs into the logging window (a collection per part:
+    the fields every step has, and each optional one over the steps that had it)."""
+    window = dict(window or {})
+    parts = {"": _train_metrics().single_from_model_output(
+        **{k: np.asarray(outputs[k], np.float32) for k in TRAIN_METRIC_KEYS})}
+    for k in OPTIONAL_TRAIN_METRIC_KEYS:
+        if k in outputs:
+            parts[k] = _optional_metric(k).single_from_model_output(
+                **{k: np.asarray(outputs[k], np.float32)})
+    for name, update in parts.items():
+        window[name] = update if name not in window else window[name].merge(update)
+    return window
+
+
+def compute(window: dict) -> dict[str, float]:
+    """The window's values, by metric name."""
+    return {k: float(v) for part in window.values() for k, v in part.compute().items()}
 
 
 # ---------------------------------------------------------------------------- writers
@@ -383,7 +399,7 @@ class MetricWindow:
     def log(self, step: int, writer: MetricWriter, extra: dict[str, float] | None = None) -> str:
         """Write the window's scalars (and ``extra``) at ``step``, start a new window; the
         progress line."""
-        values = {k: float(v) for k, v in self._metrics.compute().items()}
+        values = compute(self._metrics)
         scalars = {f"train/{k}": v for k, v in values.items()}
         scalars.update(extra or {})
         scalars["train/tokens_seen"] = step * self.tokens_per_step
@@ -391,7 +407,9 @@ class MetricWindow:
         if self._timed_steps and self._timed_seconds > 0:
             step_time = self._timed_seconds / self._timed_steps
             tok_s = self.tokens_per_step / step_time
-            mfu_value = mfu(self.flops_per_token, tok_s, self.peak_flops)
+            # the steps' own count (a term's further solves included), else the configured
+            mfu_value = mfu(values.get("flops_per_token", self.flops_per_token), tok_s,
+                            self.peak_flops)
             scalars["train/tokens_per_second"] = tok_s
             scalars["train/step_time"] = step_time
             if math.isfinite(mfu_value):

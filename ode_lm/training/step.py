@@ -1,12 +1,15 @@
 """Loss, train step and eval step: pure functions of (state, batch), jit-ed by the caller.
 
-``make_train_step(spec, ...)`` and ``jit_train_step(spec, ...)`` are what the trainer and
-``ode-lm aot`` use; the latter lowers it against ``spec.abstract_state``.
+The step reads in one pass: the main solve (as the objective's terms set it) -> each term's
+loss -> microbatch accumulation -> the update. ``TrainStep`` (``jit_train_step``) picks the
+compiled variant of each step on the host; ``ode-lm aot`` lowers every variant against
+``spec.abstract_state``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,6 +25,7 @@ from ode_lm.config_types import check_types
 from ode_lm.data.packing import BATCH_KEYS
 from ode_lm.models import solvers as solvers_lib
 from ode_lm.partitioning import batch_sharding, logical_to_mesh
+from ode_lm.training import objective as objective_lib
 from ode_lm.training.state import StateSpec
 
 log = logging.getLogger("ode_lm.eval")
@@ -31,38 +35,13 @@ Batch = Mapping[str, jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
-    """Static settings of the train step."""
+    """Static settings of the train step; the recipe is ``terms`` (``objective.Term``s:
+    ``StepConfig.terms = [@RandomSteps(), @KineticEnergy()]``; none: the paper's step)."""
 
     microbatches: int = 1  # gradient accumulation
     num_steps: int | None = None  # ODE steps for training (None = the model's default)
-    # Depth-robust training: each step draws its N uniformly from this set (seeded by the
-    # state's rng and the step, so resume is exact). One compiled program serves all N: the
-    # solve scans max(set) steps and skips those past N (memory as for max(set) steps).
-    num_steps_choices: tuple[int, ...] = ()
     solver: str | None = None
-    # Kinetic-energy regulariser λ·∫ mean‖f(x, t)‖² dt ("How to train your Neural ODE",
-    # Finlay et al. 2020): straighter trajectories that any solver integrates alike.
-    kinetic_energy_weight: float = 0.0
-    # A kinetic-energy weight that grows with training (None = constant): linear from
-    # kinetic_energy_weight at step 0 to this at kinetic_energy_ramp_steps, then held; a
-    # function of the step alone, so resume stays exact. Against the depth gap that opens
-    # as a long run bends its trajectories again (docs/depth.md).
-    kinetic_energy_weight_final: float | None = None
-    kinetic_energy_ramp_steps: int = 0
-    # Relative weights of num_steps_choices (() = uniform), e.g. more weight on small N for
-    # a model that also holds at the cheap end (docs/depth.md).
-    num_steps_weights: tuple[float, ...] = ()
-    # Self-distillation across grids: in the same step a coarse solve, its N drawn uniformly
-    # from distill_num_steps_choices, learns the main (fine) solve's next-token
-    # distribution: distill_weight · KL(stop_gradient(p_fine) ‖ p_coarse) per token.
-    distill_weight: float = 0.0
-    distill_num_steps_choices: tuple[int, ...] = ()
-    # Solver-aware training: this share of steps (drawn per step) solves with share_solver
-    # at share_num_steps instead of the drawn N and the step's solver, so the exact flow
-    # (what RK4 and the adaptive solver compute) is trained too, not only Euler's.
-    solver_share: float = 0.0
-    share_solver: str = "rk4"
-    share_num_steps: int = 2
+    terms: tuple = ()
     # Stochastic forward (dropout, random grid offset) with a per-step RNG; None: on when
     # the model config asks for dropout or a random grid offset.
     dropout: bool | None = None
@@ -71,40 +50,21 @@ class StepConfig:
         check_types(self)
         if self.microbatches < 1:
             raise ValueError(f"StepConfig.microbatches={self.microbatches}: must be >= 1")
-        choices = tuple(self.num_steps_choices)
-        if any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in choices):
-            raise ValueError(f"StepConfig.num_steps_choices={self.num_steps_choices!r}: "
-                             "expected positive ints")
-        if not self.kinetic_energy_weight >= 0:
-            raise ValueError(f"StepConfig.kinetic_energy_weight={self.kinetic_energy_weight}:"
-                             " must be >= 0")
-        final = self.kinetic_energy_weight_final
-        if final is not None and (not final >= 0 or self.kinetic_energy_ramp_steps < 1):
-            raise ValueError(f"StepConfig.kinetic_energy_weight_final={final}: must be >= 0, "
-                             "with kinetic_energy_ramp_steps >= 1 "
-                             f"(got {self.kinetic_energy_ramp_steps})")
-        if choices and self.num_steps is not None:
-            raise ValueError("StepConfig: set num_steps or num_steps_choices, not both")
-        object.__setattr__(self, "num_steps_choices", choices)
-        weights = self.num_steps_weights
-        if weights and (len(weights) != len(choices) or not all(w >= 0 for w in weights)
-                        or not sum(weights) > 0):
-            raise ValueError(f"StepConfig.num_steps_weights={weights!r}: expected one weight "
-                             f">= 0 per num_steps_choices entry {choices!r}, not all zero")
-        coarse = self.distill_num_steps_choices
-        if any(isinstance(n, bool) or n < 1 for n in coarse):
-            raise ValueError(f"StepConfig.distill_num_steps_choices={coarse!r}: "
-                             "expected positive ints")
-        if not self.distill_weight >= 0 or (self.distill_weight > 0) != bool(coarse):
-            raise ValueError(f"StepConfig.distill_weight={self.distill_weight}: must be >= 0, "
-                             "and > 0 exactly when distill_num_steps_choices is set")
-        if not 0 <= self.solver_share <= 1:
-            raise ValueError(f"StepConfig.solver_share={self.solver_share}: must be in [0, 1]")
-        if self.solver_share > 0:
-            solvers_lib.check_solver(self.share_solver)
-            if self.share_num_steps < 1:
-                raise ValueError(f"StepConfig.share_num_steps={self.share_num_steps}: "
-                                 "must be >= 1")
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"StepConfig.num_steps={self.num_steps}: must be >= 1")
+        if self.solver is not None:
+            try:
+                solvers_lib.check_solver(self.solver)
+            except ValueError as e:
+                raise ValueError(f"StepConfig.{e}") from None
+        for term in self.terms:
+            if not isinstance(term, objective_lib.Term):
+                raise ValueError(f"StepConfig.terms: {term!r} is not a training-objective term "
+                                 f"(one of {[t.__name__ for t in objective_lib.TERMS]})")
+        if self.num_steps is not None and any(
+                isinstance(t, objective_lib.RandomSteps) for t in self.terms):
+            raise ValueError("StepConfig: set num_steps or a RandomSteps term, not both")
+        object.__setattr__(self, "objective", objective_lib.Objective(self.terms))
 
 
 def token_loss_sums(
@@ -172,60 +132,77 @@ def _split_microbatches(batch: Batch, k: int, spec: StateSpec) -> Batch:
     return {key: split(v) for key, v in batch.items()}
 
 
-def make_train_step(
-    spec: StateSpec, schedule: optax.Schedule, config: StepConfig = StepConfig()
-) -> Callable[[dict, Batch], tuple[dict, dict]]:
-    """state, batch -> new state, metrics. A NaN/Inf loss or gradient skips the update."""
+def make_objective_grads(spec: StateSpec, config: StepConfig = StepConfig(),
+                         variant: tuple | None = None) -> Callable:
+    """(params, batch, step, key) -> (data loss, metrics, gradients) of the objective for one
+    ``variant`` (the terms' host draws; default: ``Objective.default_variant``): the main
+    solve as the terms set it -> each term's loss -> accumulation over microbatches."""
     k = config.microbatches
-    choices = config.num_steps_choices
+    objective = config.objective
+    variant = objective.default_variant() if variant is None else tuple(variant)
+    chosen = list(zip(objective.terms, variant, strict=True))
 
-    def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
-        params = state["params"]
-        step = state["step"]
-        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+    def objective_grads(params, batch: Batch, step: jax.Array, key: jax.Array):
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-        if choices:  # this step's N, from its own stream (microbatch keys fold in 0..k-1)
-            num_steps = _draw(jax.random.fold_in(key, _NUM_STEPS_STREAM), choices,
-                              config.num_steps_weights)
-            solve_options = {"max_steps": max(choices)}
-        else:
-            num_steps, solve_options = config.num_steps, {}
-        draws = _recipe_draws(key, config)
-        ke_weight = kinetic_energy_weight(config, step)
+        solve = objective_lib.MainSolve(config.num_steps, config.solver)
+        for term, choice in chosen:  # the step's main solve, as the terms change it
+            solve = term.main_solve(solve, choice, key)
 
         def loss_fn(p, mb, mb_key):
-            """(objective, (stats, data loss)): the data loss alone is the reported loss;
-            the regularisers are their own metrics."""
-            total, stats = _main_loss(spec, p, mb, mb_key, config, num_steps, solve_options,
-                                      draws)
-            logits = stats.pop("logits")
+            """(objective, (metrics, data loss)): the data loss alone is the reported loss;
+            every term's loss is its own metric."""
+            total, stats, logits = _solve_loss(spec, p, mb, solve, mb_key, config.dropout)
+            inputs = objective_lib.TermInputs(
+                params=p, batch=mb, key=mb_key, step_key=key, step=step, num_tokens=num_tokens,
+                microbatches=k, logits=logits, stats=stats,
+                forward=functools.partial(_forward, spec, p, mb, config.dropout))
             data_loss = total / num_tokens
-            objective = data_loss + ke_weight * stats["kinetic_energy"] / k
-            if config.distill_weight > 0:
-                kl = _distill_loss(spec, p, mb, config, draws["coarse"],
-                                   jax.random.fold_in(mb_key, _DISTILL_STREAM),
-                                   jax.lax.stop_gradient(logits)) / num_tokens
-                objective = objective + config.distill_weight * kl
-                stats = {**stats, "distill_loss": kl * k}  # per token, like the loss
-            return objective, (stats, data_loss)
+            value, metrics = data_loss, dict(stats)
+            for term, choice in chosen:
+                term_loss, term_metrics = term.loss(inputs, choice)
+                value, metrics = value + term_loss, {**metrics, **term_metrics}
+            return value, (metrics, data_loss)
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
         if k == 1:
-            (_, (stats, loss)), grads = grad_fn(params, batch, key)
+            (_, (metrics, loss)), grads = grad_fn(params, batch, key)
         else:
             micro = _split_microbatches(batch, k, spec)
 
             def body(carry, xs):
                 loss_acc, grad_acc = carry
                 mb, i = xs
-                (_, (stats_i, loss_i)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
-                return (loss_acc + loss_i, jax.tree.map(jnp.add, grad_acc, g)), stats_i
+                (_, (metrics_i, loss_i)), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+                return (loss_acc + loss_i, jax.tree.map(jnp.add, grad_acc, g)), metrics_i
 
             zeros = jax.tree.map(jnp.zeros_like, params)
-            (loss, grads), stats = jax.lax.scan(body, (jnp.zeros(()), zeros),
-                                                (micro, jnp.arange(k)))
-            stats = {name: v[0] if name == "nfe" else jnp.mean(v) for name, v in stats.items()}
+            (loss, grads), metrics = jax.lax.scan(body, (jnp.zeros(()), zeros),
+                                                  (micro, jnp.arange(k)))
+            metrics = {name: v[0] if name == "nfe" else jnp.mean(v)
+                       for name, v in metrics.items()}
+        nfe = metrics.pop("nfe")
+        # solver steps of this step (N; the layer count for discrete baselines), and the
+        # training FLOPs per token of what it ran: the main solve at its N and solver and
+        # every further solve a term differentiated (MFU counts them)
+        metrics["num_steps"] = _steps_metric(spec, params, solve.num_steps, nfe)
+        metrics["flops_per_token"] = _flops_per_token(spec, params, batch, k, solve, chosen)
+        return loss, metrics, grads
 
+    return objective_grads
+
+
+def make_train_step(
+    spec: StateSpec, schedule: optax.Schedule, config: StepConfig = StepConfig(),
+    variant: tuple | None = None,
+) -> Callable[[dict, Batch], tuple[dict, dict]]:
+    """state, batch -> new state, metrics, for one ``variant`` of the objective. A NaN/Inf
+    loss or gradient skips the update."""
+    objective_grads = make_objective_grads(spec, config, variant)
+
+    def train_step(state: dict, batch: Batch) -> tuple[dict, dict]:
+        params, step = state["params"], state["step"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), step)
+        loss, term_metrics, grads = objective_grads(params, batch, step, key)
         with jax.named_scope("optimizer"):  # names the update's ops in profiles
             grad_norm = optax.tree.norm(grads)
             ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
@@ -241,9 +218,6 @@ def make_train_step(
             "skipped": state["skipped"] + bad,
             "bad_streak": jnp.where(ok, 0, state["bad_streak"] + 1),
         }
-        step_n = _steps_metric(spec, params, num_steps, config.solver, stats)
-        if config.solver_share > 0:  # a shared-solver step reports its own N
-            step_n = jnp.where(draws["share"], float(config.share_num_steps), step_n)
         metrics = {
             "loss": loss,
             "grad_norm": grad_norm,
@@ -252,115 +226,110 @@ def make_train_step(
             "skipped_steps": new_state["skipped"],
             "bad_streak": new_state["bad_streak"],
             "tokens": jnp.sum(batch["loss_mask"]),
-            # solver steps of this step (N; the layer count for discrete baselines), as
-            # vector-field evaluations / stages
-            "num_steps": step_n,
-            "kinetic_energy": stats["kinetic_energy"],
+            **term_metrics,
         }
-        if config.kinetic_energy_weight_final is not None:
-            metrics["kinetic_energy_weight"] = ke_weight
-        if config.distill_weight > 0:
-            metrics["distill_loss"] = stats["distill_loss"]
-            metrics["distill_num_steps"] = jnp.asarray(draws["coarse"], jnp.float32)
-        if config.solver_share > 0:
-            metrics["solver_share"] = draws["share"].astype(jnp.float32)
         return new_state, metrics
 
     return train_step
 
 
-def kinetic_energy_weight(config: StepConfig, step: jax.Array) -> jax.Array:
-    """λ at ``step``: constant, or the linear ramp to ``kinetic_energy_weight_final``."""
-    w0 = jnp.float32(config.kinetic_energy_weight)
-    if config.kinetic_energy_weight_final is None:
-        return w0
-    frac = jnp.minimum(step.astype(jnp.float32) / config.kinetic_energy_ramp_steps, 1.0)
-    return w0 + (jnp.float32(config.kinetic_energy_weight_final) - w0) * frac
+def _forward(spec, params, batch, stochastic, num_steps, solver, max_steps, key):
+    """float32 logits of a further solve of ``params`` (a term's), its grid offset from
+    ``key`` when the forward is stochastic."""
+    options = {"max_steps": max_steps} if max_steps is not None else {}
+    logits, _ = _logits(spec, params, batch, num_steps=num_steps, solver=solver,
+                        dropout_key=key if stochastic else None, **options)
+    return logits
 
 
-def _draw(key: jax.Array, choices: tuple[int, ...], weights: tuple[float, ...] = ()):
-    """One entry of ``choices`` as a traced int32, uniform or by relative ``weights``."""
-    if weights:
-        logits = jnp.log(jnp.asarray(weights, jnp.float32) / sum(weights))
-        pick = jax.random.categorical(key, logits)
-    else:
-        pick = jax.random.randint(key, (), 0, len(choices))
-    return jnp.asarray(choices, jnp.int32)[pick]
+def _solve_loss(spec, params, mb, solve, mb_key, stochastic):
+    """(loss sum, stats with NFE and kinetic energy, logits) of the step's main solve."""
+    total, _, stats = _token_loss(spec, params, mb, num_steps=solve.num_steps,
+                                  solver=solve.solver,
+                                  dropout_key=mb_key if stochastic else None, **solve.options())
+    return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32),
+                   "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(()))}, stats["logits"]
 
 
-def _recipe_draws(key: jax.Array, config: StepConfig) -> dict:
-    """The step's coarse N (self-distillation) and whether it is a shared-solver step, each
-    from its own stream of the step's key, so resume stays exact."""
-    draws = {}
-    if config.distill_weight > 0:
-        draws["coarse"] = _draw(jax.random.fold_in(key, _DISTILL_STREAM),
-                                config.distill_num_steps_choices)
-    if config.solver_share > 0:
-        draws["share"] = jax.random.bernoulli(jax.random.fold_in(key, _SHARE_STREAM),
-                                              config.solver_share)
-    return draws
-
-
-def _main_loss(spec, params, mb, mb_key, config, num_steps, solve_options, draws):
-    """(loss sum, stats with kinetic energy and logits) of the step's main solve: the drawn
-    N with the step's solver, or on a shared-solver step ``share_solver`` at its N."""
-    dropout_key = mb_key if config.dropout else None
-
-    def solve(solver, n, options):
-        total, _, stats = _token_loss(spec, params, mb, num_steps=n, solver=solver,
-                                      dropout_key=dropout_key, **options)
-        return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32),
-                       "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(())),
-                       "logits": stats["logits"]}
-
-    if config.solver_share <= 0:
-        return solve(config.solver, num_steps, solve_options)
-    # Both solves run and one is selected: a lax.cond whose branches hold cross-device
-    # reductions deadlocked the multi-device CPU runtime when its executable came from the
-    # compilation cache (devices at different all-reduces), so the share costs both solves.
-    shared = solve(config.share_solver, config.share_num_steps, {})
-    main = solve(config.solver, num_steps, solve_options)
-    return jax.tree.map(lambda a, b: jnp.where(draws["share"], a, b), shared, main)
-
-
-def _distill_loss(spec, params, mb, config, coarse_n, key, teacher_logits):
-    """Sum over counted tokens of KL(p_teacher ‖ p_coarse): the coarse-grid solve (Euler at
-    the drawn coarse N) pulled toward the fine solve's next-token distribution."""
-    logits, _ = _logits(spec, params, mb, num_steps=coarse_n, solver=config.solver,
-                        dropout_key=key if config.dropout else None,
-                        max_steps=max(config.distill_num_steps_choices))
-    log_t = jax.nn.log_softmax(teacher_logits)
-    kl = jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(logits)), axis=-1)
-    return jnp.sum(kl * mb["loss_mask"].astype(jnp.float32))
-
-
-_NUM_STEPS_STREAM = 0x4E535445  # fold_in id of the N draw ("NSTE"), apart from microbatches
-_DISTILL_STREAM = 0x44495354  # the coarse N and the coarse solve's grid offset ("DIST")
-_SHARE_STREAM = 0x53484152  # whether a step is a shared-solver step ("SHAR")
-
-
-def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, solver: str | None,
-                  stats: dict) -> jax.Array:
+def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, nfe: jax.Array) -> jax.Array:
     """N of the step as a float: the drawn/configured N, else the model's default."""
     if num_steps is not None:
         return jnp.asarray(num_steps, jnp.float32)
     cfg = getattr(spec.model(params), "config", None)
     if cfg is not None and cfg.architecture == "ode":
         return jnp.asarray(cfg.num_steps, jnp.float32)
-    return jnp.asarray(stats["nfe"], jnp.float32)
+    return jnp.asarray(nfe, jnp.float32)
 
 
-def jit_train_step(
-    spec: StateSpec, schedule: optax.Schedule, config: StepConfig = StepConfig()
-):
-    """The train step jit-ed with in/out shardings and the state donated."""
+def _flops_per_token(spec, params, batch, k, solve, chosen) -> jax.Array:
+    """Training FLOPs per token of this step (``models.accounting``, the one count); NaN for
+    a model without a ``ModelConfig``."""
+    from ode_lm.models.accounting import flops_per_token
+
+    cfg = getattr(spec.model(params), "config", None)
+    if cfg is None or not hasattr(cfg, "architecture"):
+        return jnp.float32(jnp.nan)
+    seq_len = batch["inputs"].shape[1]
+    tokens = batch["inputs"].shape[0] * seq_len // k
+
+    def count(n, solver):
+        return flops_per_token(cfg, n, solver=solver, seq_len=seq_len,
+                               tokens_per_batch=tokens).training
+
+    total = count(solve.num_steps, solve.solver)
+    for term, choice in chosen:
+        for n, solver in term.extra_forwards(choice):
+            # a further solve: its blocks and weight generation (not the shared embeddings)
+            total = total + count(n, solver) - count(0, solver)
+    return jnp.asarray(total, jnp.float32)
+
+
+class TrainStep:
+    """The train step on the host: each step's variant is drawn from (seed, step) by the
+    objective's terms and runs its own compiled program (each compiled once, on first use),
+    so a share of costly steps costs only that share."""
+
+    def __init__(self, spec: StateSpec, schedule: optax.Schedule, config: StepConfig,
+                 seed: int = 0, *, jit: bool = True):
+        self.spec, self.schedule, self.config, self.seed, self.jit = (
+            spec, schedule, config, seed, jit)
+        self._programs: dict[tuple, Callable] = {}
+
+    def variant(self, step: int) -> tuple:
+        return self.config.objective.variant(self.seed, step)
+
+    def variants(self) -> list[tuple]:
+        return self.config.objective.variants()
+
+    def program(self, variant: tuple) -> Callable:
+        """The (jit-ed) step of one variant, built once."""
+        variant = tuple(variant)
+        if variant not in self._programs:
+            fn = make_train_step(self.spec, self.schedule, self.config, variant)
+            self._programs[variant] = _jit(self.spec, fn) if self.jit else fn
+        return self._programs[variant]
+
+    def __call__(self, state: dict, batch: Batch, step: int | None = None):
+        """One step; ``step`` (the state's step, known to the loop) saves reading it back."""
+        step = int(jax.device_get(state["step"])) if step is None else step
+        return self.program(self.variant(step))(state, batch)
+
+
+def _jit(spec: StateSpec, fn: Callable) -> Callable:
     replicated = NamedSharding(spec.mesh, P())
     return jax.jit(
-        make_train_step(spec, schedule, config),
+        fn,
         in_shardings=(spec.shardings, batch_sharding(spec.mesh, spec.rules)),
         out_shardings=(spec.shardings, replicated),
         donate_argnums=0,
     )
+
+
+def jit_train_step(
+    spec: StateSpec, schedule: optax.Schedule, config: StepConfig = StepConfig(), seed: int = 0
+) -> TrainStep:
+    """The train step with in/out shardings and the state donated, one program per variant."""
+    return TrainStep(spec, schedule, config, seed)
 
 
 def abstract_batch(spec: StateSpec, batch_size: int, seq_len: int, batch_keys=BATCH_KEYS) -> dict:

@@ -327,7 +327,8 @@ class Trainer:
             f"{dict(self.mesh.shape)} | {num_params:,} parameters"
         )
         # 5. step
-        train_step = step_lib.jit_train_step(self.spec, self.schedule, self.step_config)
+        train_step = step_lib.jit_train_step(self.spec, self.schedule, self.step_config,
+                                             seed=cfg.seed)
         tokens_per_step = self.data_config.global_batch_size * self.data_config.seq_len
         peak = metrics_lib.total_peak_flops(
             list(self.mesh.devices.flat), self.model_config.dtype, cfg.cpu_peak_flops
@@ -348,7 +349,7 @@ class Trainer:
         try:
             with jax.set_mesh(self.mesh):
                 while step < cfg.num_train_steps:
-                    state, outputs = train_step(state, next(batches))
+                    state, outputs = train_step(state, next(batches), step)
                     step += 1
                     reader.push(step, outputs)  # reads the previous step's outputs
                     if self.checkpointer.should_save(step):

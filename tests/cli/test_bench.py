@@ -300,12 +300,15 @@ def test_recipe_section_reads_each_recipe_from_its_gin_file():
     configs = {name: bench.recipe_configs(name, base) for name in bench.RECIPES}
     robust_model, robust = configs["depth_robust"]
     assert (robust_model.time_scale, robust_model.random_grid_offset) == (4.0, True)
-    assert robust.num_steps_choices == (4, 5, 6, 7, 8) and robust.kinetic_energy_weight == 2.0
-    assert robust.distill_weight == 0 and robust.solver_share == 0
-    assert configs["anytime"][1].distill_num_steps_choices == (2, 3)
-    aware = configs["solver_aware"][1]
-    assert (aware.solver_share, aware.share_solver, aware.share_num_steps) == (0.25, "rk4", 3)
+    terms = {name: {t.name: t for t in step.terms} for name, (_, step) in configs.items()}
+    assert terms["depth_robust"]["random_steps"].choices == (4, 5, 6, 7, 8)
+    assert terms["depth_robust"]["kinetic_energy"].weight == 2.0
+    assert set(terms["depth_robust"]) == {"random_steps", "kinetic_energy"}
+    assert terms["anytime"]["distillation"].num_steps == (2, 3)
+    aware = terms["solver_aware"]["solver_share"]
+    assert (aware.share, aware.solver, aware.num_steps) == (0.25, "rk4", 3)
+    assert {"distillation", "solver_share"} <= set(terms["default"])
     assert all(model == robust_model for model, _ in configs.values())
     assert "recipe" not in bench.DEFAULT_SECTIONS
     with pytest.raises(ValueError):
-        gin_setup.query("StepConfig.solver_share")  # cleared after each read
+        gin_setup.query("SolverShare.share")  # cleared after each read

@@ -64,22 +64,30 @@ def test_paper_run_has_the_papers_values(run, vanilla):
     assert _recipe(model, step) == RECIPES["paper"]
 
 
-# The knobs a recipe sets: time features, grid offset, random N, kinetic-energy weight.
-RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0),
-           "depth_robust": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0)}
-RECIPE_KNOBS = ("time_scale", "time_max_period", "random_grid_offset", "num_steps_choices",
-                "kinetic_energy_weight", "num_steps_weights", "distill_weight",
-                "distill_num_steps_choices", "solver_share", "share_solver", "share_num_steps",
-                "kinetic_energy_weight_final", "kinetic_energy_ramp_steps")
+# What a recipe sets: time features, grid offset, random N, kinetic-energy weight, its terms.
+ROBUST_TERMS = ("random_steps", "kinetic_energy")
+RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0, ()),
+           "depth_robust": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0, ROBUST_TERMS),
+           "default": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0,
+                       (*ROBUST_TERMS, "distillation", "solver_share"))}
+RECIPE_MODEL_KNOBS = ("time_scale", "time_max_period", "random_grid_offset")
+TERM_CLASSES = ("RandomSteps", "KineticEnergy", "Distillation", "SolverShare")
+
+
+def _terms(step) -> dict:
+    return {t.name: t for t in step.terms}
 
 
 def _recipe(model, step) -> tuple:
+    terms = _terms(step)
     return (model.time_scale, model.time_max_period, model.random_grid_offset,
-            step.num_steps_choices, step.kinetic_energy_weight)
+            terms["random_steps"].choices if "random_steps" in terms else (),
+            terms["kinetic_energy"].weight if "kinetic_energy" in terms else 0.0,
+            tuple(terms))
 
 
 @pytest.mark.parametrize("files, recipe", [
-    (["runs/demo.gin"], "depth_robust"),
+    (["runs/demo.gin"], "default"),
     (["runs/depth_demo.gin"], "depth_robust"),
     (["runs/depth_demo_paper.gin"], "paper"),
     (["runs/demo.gin", "recipes/paper.gin"], "paper"),  # one include turns a run into the paper's
@@ -105,7 +113,7 @@ def test_baseline_demo_is_the_depth_demo_as_a_sequential_model_of_layers():
     assert (base_data, base_steps) == (data, steps)
     sched = ("learning_rate", "warmup_steps", "min_lr_ratio", "clip_norm", "weight_decay")
     assert [getattr(base_opt, k) for k in sched] == [getattr(opt, k) for k in sched]
-    assert (base_step.num_steps_choices, base_step.kinetic_energy_weight) == ((), 0.0)
+    assert base_step.terms == ()
 
 
 def test_anytime_demo_is_depth_demo_plus_the_anytime_recipe():
@@ -114,20 +122,27 @@ def test_anytime_demo_is_depth_demo_plus_the_anytime_recipe():
     base_model, base_opt, base_data, base_steps, base_step = _configs("runs/depth_demo.gin")
     assert (opt, data, steps) == (base_opt, base_data, base_steps)
     assert model == base_model
-    assert step.distill_weight > 0 and step.distill_num_steps_choices
-    assert base_step.distill_weight == 0 and base_step.solver_share == 0
+    assert _terms(step)["distillation"].share == 1.0
+    assert tuple(_terms(base_step)) == ROBUST_TERMS
 
 
-def test_depth_long_is_depth_demo_for_3000_steps_plus_the_solver_aware_recipe():
-    """Same model, data and schedule as depth_demo.gin (5× the steps); a quarter of the
-    steps solved with RK4 at N=3, the depth-robust knobs unchanged."""
+def test_depth_long_is_depth_demo_for_3000_steps_with_the_default_recipe():
+    """Same model, data and schedule as depth_demo.gin (5× the steps), trained with the
+    default recipe (the demo's)."""
     model, opt, data, steps, step = _configs("runs/depth_long.gin")
     base_model, base_opt, base_data, _, base_step = _configs("runs/depth_demo.gin")
     assert (model, data, steps) == (base_model, base_data, 3000)
     assert opt == base_opt
-    assert _recipe(model, step) == RECIPES["depth_robust"]
-    assert (step.solver_share, step.share_solver, step.share_num_steps) == (0.25, "rk4", 3)
-    assert base_step.solver_share == 0
+    assert _recipe(model, step) == RECIPES["default"]
+    assert _recipe(*_configs("runs/demo.gin")[::4]) == RECIPES["default"]
+    assert tuple(_terms(base_step)) == ROBUST_TERMS
+
+
+def test_solver_aware_is_depth_robust_plus_a_share_of_rk4_steps():
+    model, _, _, _, step = _configs("runs/depth_demo.gin", "recipes/solver_aware.gin")
+    share = _terms(step)["solver_share"]
+    assert (share.share, share.solver, share.num_steps) == (0.25, "rk4", 3)
+    assert _recipe(model, step)[:5] == RECIPES["depth_robust"][:5]
 
 
 def test_recipe_knobs_are_bound_only_in_the_recipes():
@@ -137,8 +152,8 @@ def test_recipe_knobs_are_bound_only_in_the_recipes():
         if path.parent.name == "recipes":
             continue
         bound = [line for line in path.read_text().splitlines()
-                 if any(line.startswith(f"{c}.{k}") for c in ("ModelConfig", "StepConfig")
-                        for k in RECIPE_KNOBS)]
+                 if line.startswith(("StepConfig.terms", *TERM_CLASSES))
+                 or any(line.startswith(f"ModelConfig.{k}") for k in RECIPE_MODEL_KNOBS)]
         assert not bound, (path, bound)
 
 

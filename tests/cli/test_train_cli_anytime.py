@@ -1,6 +1,7 @@
-"""Exact resume after SIGKILL and the TensorBoard scalars with the anytime recipe on
-(weighted random N, self-distillation across grids): the subprocess
-harness of train_cli_helpers with these StepConfig bindings added."""
+"""Exact resume after SIGKILL and the TensorBoard scalars with every term of the objective
+on (weighted random N, kinetic energy, self-distillation and a solver share, each of the
+last two on a drawn share of the steps, so the host picks a compiled variant per step): the
+subprocess harness of train_cli_helpers with these bindings added."""
 
 from __future__ import annotations
 
@@ -15,10 +16,15 @@ import train_cli_helpers as cli
 pytestmark = pytest.mark.slow
 
 ANYTIME_GIN = """
-StepConfig.num_steps_choices = (1, 2, 3)
-StepConfig.num_steps_weights = (2.0, 1.0, 1.0)
-StepConfig.distill_weight = 0.5
-StepConfig.distill_num_steps_choices = (1,)
+RandomSteps.choices = (1, 2, 3)
+RandomSteps.weights = (2.0, 1.0, 1.0)
+Distillation.weight = 0.5
+Distillation.num_steps = (1,)
+Distillation.share = 0.5
+SolverShare.share = 0.5
+SolverShare.solver = 'midpoint'
+SolverShare.num_steps = 1
+StepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), @SolverShare()]
 """
 
 
@@ -47,11 +53,19 @@ def test_anytime_terms_and_draws_reach_tensorboard(reference):
     acc = EventAccumulator(str(reference))
     acc.Reload()
     values = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    assert len(values["train/distill_loss"]) == 2 * cli.K  # log_every = 1: every step
+    from ode_lm.training.objective import Distillation, SolverShare
+
+    seed = 0  # TrainConfig.seed of the micro run
+    distilled = [s for s in range(2 * cli.K) if Distillation(share=0.5).choose(seed, s)]
+    shared = [float(SolverShare(share=0.5).choose(seed, s)) for s in range(2 * cli.K)]
+    # log_every = 1: a row per step; a term's metrics on the steps its host draw picked
+    steps = [e.step for e in acc.Scalars("train/distill_loss")]
+    assert steps == [s + 1 for s in distilled] and distilled, steps
     assert all(v > 0 for v in values["train/distill_loss"])
     assert set(values["train/distill_num_steps"]) == {1.0}
-    assert "train/solver_share" not in values  # off: not logged
+    assert values["train/solver_share"] == shared and 0 < sum(shared) < len(shared)
     assert set(values["train/num_steps"]) <= {1.0, 2.0, 3.0}
+    assert all(v > 0 for v in values["train/flops_per_token"])
 
 
 def test_exact_resume_after_sigkill_with_the_anytime_recipe(workdir, reference):

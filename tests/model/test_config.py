@@ -35,11 +35,13 @@ def _configs():
     from ode_lm.finetune import FinetuneConfig
     from ode_lm.lora import LoRASpec
     from ode_lm.training.checkpoint import CheckpointConfig
+    from ode_lm.training.objective import TERMS
     from ode_lm.training.optim import OptimizerConfig
     from ode_lm.training.step import StepConfig
     from ode_lm.training.trainer import MeshConfig, TrainConfig
 
-    return {"ModelConfig": ModelConfig, "DataConfig": DataConfig, "FinetuneConfig": FinetuneConfig,
+    return {**{t.__name__: t for t in TERMS}, "ModelConfig": ModelConfig,
+            "DataConfig": DataConfig, "FinetuneConfig": FinetuneConfig,
             "LoRASpec": LoRASpec, "CheckpointConfig": CheckpointConfig,
             "OptimizerConfig": OptimizerConfig, "StepConfig": StepConfig,
             "MeshConfig": MeshConfig, "TrainConfig": TrainConfig}
@@ -61,7 +63,9 @@ _REQUIRED = {"FinetuneConfig": {"pretrained_dir": "/x", "num_steps": 4},
         ("ModelConfig", "mlp_dim", 2.5, "expected an int or None"),
         ("DataConfig", "global_batch_size", 8.0, "expected an int"),
         ("DataConfig", "tokenizer", 4096, "expected a str"),
-        ("StepConfig", "num_steps_choices", (4, 5.5), "expected a tuple of ints"),
+        ("StepConfig", "microbatches", 2.0, "expected an int"),
+        ("RandomSteps", "choices", (4, 5.5), "expected a tuple of ints"),
+        ("Distillation", "share", "half", "expected a float"),
         ("MeshConfig", "ici_parallelism", (1, 2), "expected a tuple of 3"),
         ("CheckpointConfig", "save_every", 0.5, "expected an int"),
         ("OptimizerConfig", "learning_rate", "3e-4", "expected a float"),
@@ -77,12 +81,12 @@ def test_mistyped_fields_name_the_field_and_the_type(cls, field, value, expected
 
 
 def test_ints_widen_to_floats_and_lists_become_tuples():
-    from ode_lm.training.step import StepConfig
+    from ode_lm.training.objective import RandomSteps
     from ode_lm.training.trainer import MeshConfig
 
     cfg = ModelConfig(time_scale=4, rtol=1)
     assert type(cfg.time_scale) is float and type(cfg.rtol) is float
-    assert StepConfig(num_steps_choices=[4, 8]).num_steps_choices == (4, 8)
+    assert RandomSteps(choices=[4, 8]).choices == (4, 8)
     assert MeshConfig(ici_parallelism=[1, -1, 1]).ici_parallelism == (1, -1, 1)
     # every config's defaults pass their own check
     for name, config_cls in _configs().items():

@@ -1,0 +1,286 @@
+"""The training objective as composable terms: one small object per recipe ingredient.
+
+A term owns three things: its per-step draw (``choose``: on the host, a pure function of the
+run's seed and the step, so resume is exact), what that draw changes in the step's main solve
+(``main_solve``) and the loss term it adds, with its metrics (``loss``). A draw that changes
+the computation (a shared-solver step, a distillation step) picks one of the compiled step
+variants (``Objective.variants``): nothing is computed and then thrown away. Draws that only
+change values (the N of a step, the grid offset) stay inside the program, from the state's
+key. A recipe file (``configs/recipes/``) lists terms: ``StepConfig.terms = [@KineticEnergy(),
+...]``; the paper's recipe has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import zlib
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ode_lm.config_types import check_types
+from ode_lm.models import solvers as solvers_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class MainSolve:
+    """How this step's main solve (the one trained on the data) runs: N (an int, a traced
+    int32 with its static bound ``max_steps``, or None for the model's own) and the solver."""
+
+    num_steps: Any = None
+    solver: str | None = None
+    max_steps: int | None = None
+
+    def options(self) -> dict[str, int]:
+        return {"max_steps": self.max_steps} if self.max_steps is not None else {}
+
+
+@dataclasses.dataclass(frozen=True)
+class TermInputs:
+    """What a term's loss sees, for one microbatch: the main solve's float32 logits and
+    stats, the global count of counted tokens (losses are sums over it, so microbatches add
+    up), and ``forward`` for a further solve of the same parameters."""
+
+    params: Any
+    batch: Any
+    key: jax.Array  # this microbatch's key
+    step_key: jax.Array  # the step's key (draws made once per step)
+    step: jax.Array  # the step being taken (traced)
+    num_tokens: jax.Array
+    microbatches: int
+    logits: jax.Array
+    stats: dict
+    forward: Any  # (num_steps, solver, max_steps, key) -> float32 logits
+
+    def mask(self) -> jax.Array:
+        return self.batch["loss_mask"].astype(jnp.float32)
+
+
+Choice = Hashable
+
+
+class Term:
+    """One ingredient of the objective; the base draws nothing and adds nothing."""
+
+    name: ClassVar[str] = "term"
+
+    def variants(self) -> tuple[Choice, ...]:
+        """Every value ``choose`` can return: one compiled variant each."""
+        return (None,)
+
+    def choose(self, seed: int, step: int) -> Choice:
+        """This step's host-side draw (a pure function of seed and step)."""
+        return None
+
+    def main_solve(self, solve: MainSolve, choice: Choice, key: jax.Array) -> MainSolve:
+        """The main solve as this term changes it (``key``: the step's key)."""
+        return solve
+
+    def loss(self, inputs: TermInputs, choice: Choice) -> tuple[jax.Array, dict]:
+        """(objective term, metrics) of one microbatch; metrics are averaged over them."""
+        return jnp.zeros(()), {}
+
+    def extra_forwards(self, choice: Choice) -> tuple[tuple[Any, str | None], ...]:
+        """(N, solver) of each further solve ``loss`` runs and differentiates: its FLOPs."""
+        return ()
+
+    def _uniform(self, seed: int, step: int) -> float:
+        """A float in [0, 1) from (seed, this term's name, step): the host draw."""
+        stream = zlib.crc32(self.name.encode())
+        seq = np.random.SeedSequence([seed % 2**32, stream, step])
+        return float(np.random.default_rng(seq).random())
+
+
+def draw(key: jax.Array, choices: Sequence[int], weights: Sequence[float] = ()) -> jax.Array:
+    """One entry of ``choices`` as a traced int32, uniform or by relative ``weights``."""
+    if weights:
+        logits = jnp.log(jnp.asarray(weights, jnp.float32) / sum(weights))
+        pick = jax.random.categorical(key, logits)
+    else:
+        pick = jax.random.randint(key, (), 0, len(choices))
+    return jnp.asarray(choices, jnp.int32)[pick]
+
+
+def _positive_ints(owner: str, field: str, values: tuple) -> tuple[int, ...]:
+    values = tuple(values)
+    if not values or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
+                         for n in values):
+        raise ValueError(f"{owner}.{field}={values!r}: expected a non-empty tuple of "
+                         "positive ints")
+    return values
+
+
+def _share(owner: str, value: float) -> None:
+    if not 0 < value <= 1:
+        raise ValueError(f"{owner}.share={value}: must be in (0, 1]")
+
+
+# fold_in ids of the in-program draws, apart from the microbatch indices 0..k-1
+NUM_STEPS_STREAM = 0x4E535445  # the step's N ("NSTE")
+DISTILL_STREAM = 0x44495354  # the coarse N and the coarse solve's grid offset ("DIST")
+
+
+@dataclasses.dataclass(frozen=True)
+class RandomSteps(Term):
+    """A random N per step from ``choices`` (by ``weights``, uniform when empty): with the
+    model's random grid offset no single grid can be memorised. Drawn in the program from
+    the state's key; the solve scans max(choices) steps and skips those past N."""
+
+    choices: tuple[int, ...] = (4, 5, 6, 7, 8)
+    weights: tuple[float, ...] = ()
+    name: ClassVar[str] = "random_steps"
+
+    def __post_init__(self):
+        check_types(self)
+        object.__setattr__(self, "choices", _positive_ints("RandomSteps", "choices",
+                                                            self.choices))
+        w = self.weights
+        if w and (len(w) != len(self.choices) or not all(x >= 0 for x in w) or not sum(w) > 0):
+            raise ValueError(f"RandomSteps.weights={w!r}: expected one weight >= 0 per "
+                             f"choice {self.choices!r}, not all zero")
+
+    def main_solve(self, solve, choice, key):
+        n = draw(jax.random.fold_in(key, NUM_STEPS_STREAM), self.choices, self.weights)
+        return dataclasses.replace(solve, num_steps=n, max_steps=max(self.choices))
+
+
+@dataclasses.dataclass(frozen=True)
+class KineticEnergy(Term):
+    """λ·∫ mean‖f(x, t)‖² dt (Finlay et al. 2020): straighter trajectories that any solver
+    integrates alike. λ is ``weight``, or with ``final`` a linear ramp from ``weight`` at
+    step 0 to ``final`` at ``ramp_steps``, then held (logged as kinetic_energy_weight)."""
+
+    weight: float = 2.0
+    final: float | None = None
+    ramp_steps: int = 0
+    name: ClassVar[str] = "kinetic_energy"
+
+    def __post_init__(self):
+        check_types(self)
+        if not self.weight >= 0:
+            raise ValueError(f"KineticEnergy.weight={self.weight}: must be >= 0")
+        if self.final is not None and (not self.final >= 0 or self.ramp_steps < 1):
+            raise ValueError(f"KineticEnergy.final={self.final}: must be >= 0, with "
+                             f"ramp_steps >= 1 (got {self.ramp_steps})")
+
+    def weight_at(self, step: jax.Array) -> jax.Array:
+        w0 = jnp.float32(self.weight)
+        if self.final is None:
+            return w0
+        frac = jnp.minimum(step.astype(jnp.float32) / self.ramp_steps, 1.0)
+        return w0 + (jnp.float32(self.final) - w0) * frac
+
+    def loss(self, inputs, choice):
+        w = self.weight_at(inputs.step)
+        metrics = {"kinetic_energy_weight": w} if self.final is not None else {}
+        return w * inputs.stats["kinetic_energy"] / inputs.microbatches, metrics
+
+
+@dataclasses.dataclass(frozen=True)
+class Distillation(Term):
+    """Self-distillation across grids: a coarse Euler solve (N drawn in the program from
+    ``num_steps``) learns the main solve's next-token distribution,
+    ``weight``·KL(stop_gradient(p_main) ‖ p_coarse) per token, on a drawn ``share`` of the
+    steps (the others compile without the coarse solve)."""
+
+    weight: float = 1.0
+    num_steps: tuple[int, ...] = (2, 3)
+    share: float = 1.0
+    name: ClassVar[str] = "distillation"
+
+    def __post_init__(self):
+        check_types(self)
+        object.__setattr__(self, "num_steps", _positive_ints("Distillation", "num_steps",
+                                                             self.num_steps))
+        if not self.weight > 0:
+            raise ValueError(f"Distillation.weight={self.weight}: must be > 0")
+        _share("Distillation", self.share)
+
+    def variants(self):
+        return (True,) if self.share >= 1 else (False, True)
+
+    def choose(self, seed, step):
+        return self.share >= 1 or self._uniform(seed, step) < self.share
+
+    def loss(self, inputs, choice):
+        if not choice:
+            return jnp.zeros(()), {}
+        key = jax.random.fold_in(inputs.key, DISTILL_STREAM)
+        # the coarse N: from the step's stream, as the main N (one per step)
+        coarse_n = draw(jax.random.fold_in(inputs.step_key, DISTILL_STREAM), self.num_steps)
+        coarse = inputs.forward(coarse_n, "euler", max(self.num_steps), key)
+        log_t = jax.nn.log_softmax(jax.lax.stop_gradient(inputs.logits))
+        kl = jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(coarse)), axis=-1)
+        kl = jnp.sum(kl * inputs.mask()) / inputs.num_tokens
+        return self.weight * kl, {"distill_loss": kl * inputs.microbatches,
+                                  "distill_num_steps": coarse_n.astype(jnp.float32)}
+
+    def extra_forwards(self, choice):
+        mean_n = sum(self.num_steps) / len(self.num_steps)
+        return ((mean_n, "euler"),) if choice else ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverShare(Term):
+    """On a drawn ``share`` of the steps the main solve is ``solver`` at ``num_steps``
+    instead of the step's own: the exact flow (what RK4 and the adaptive solver compute)
+    is trained too, not only Euler's grid."""
+
+    share: float = 0.25
+    solver: str = "rk4"
+    num_steps: int = 2
+    name: ClassVar[str] = "solver_share"
+
+    def __post_init__(self):
+        check_types(self)
+        _share("SolverShare", self.share)
+        if self.solver not in solvers_lib.SOLVERS:
+            raise ValueError(f"SolverShare.solver={self.solver!r}: expected one of "
+                             f"{solvers_lib.SOLVERS}")
+        if self.num_steps < 1:
+            raise ValueError(f"SolverShare.num_steps={self.num_steps}: must be >= 1")
+
+    def variants(self):
+        return (False, True) if self.share < 1 else (True,)
+
+    def choose(self, seed, step):
+        return self.share >= 1 or self._uniform(seed, step) < self.share
+
+    def main_solve(self, solve, choice, key):
+        if not choice:
+            return solve
+        return MainSolve(num_steps=self.num_steps, solver=self.solver)
+
+    def loss(self, inputs, choice):
+        return jnp.zeros(()), {"solver_share": jnp.float32(bool(choice))}
+
+
+TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare)
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """The data loss of the main solve plus each term's, and the variants they can draw."""
+
+    terms: tuple[Term, ...] = ()
+
+    def __post_init__(self):
+        names = [t.name for t in self.terms]
+        if len(set(names)) != len(names):
+            raise ValueError(f"StepConfig.terms: each term at most once, got {names}")
+
+    def variant(self, seed: int, step: int) -> tuple[Choice, ...]:
+        """This step's compiled variant: every term's host draw."""
+        return tuple(t.choose(seed, step) for t in self.terms)
+
+    def variants(self) -> list[tuple[Choice, ...]]:
+        """Every variant the terms can draw (what ``ode-lm aot`` compiles)."""
+        return list(itertools.product(*(t.variants() for t in self.terms)))
+
+    def default_variant(self) -> tuple[Choice, ...]:
+        """The costliest-looking variant (each term's last choice), for one-off lowering."""
+        return tuple(t.variants()[-1] for t in self.terms)
