@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ode_lm import cli
+from ode_lm.training.metric_names import LOSS, name
 
-LOSS_TAG = "eval/loss"
+LOSS_TAG = name(LOSS)
 TOKENS_TAG = "train/tokens_seen"
 
 

@@ -128,35 +128,6 @@ def test_window_logs_recipe_metrics_only_when_the_step_outputs_them():
     assert float(values["distill_num_steps"]) == pytest.approx(2.0)
 
 
-def test_depth_gap_command_tables_and_plots_a_runs_evals(tmp_path, capsys):
-    """`ode-lm depth-gap` reads metrics.jsonl: the gap of each setting to the run's own N,
-    the last eval by default or the one named, and a PNG of gap versus step."""
-    import json
-
-    from ode_lm.commands import depth_gap as tool
-
-    rows = [{"step": 50, "train/loss": 5.0, "train/tokens_per_second": 1000.0}]
-    for step, own in ((100, 200.0), (200, 100.0)):
-        rows.append({"step": step, "eval/perplexity": own, "eval/nfe": 6.0,
-                     "eval/perplexity@steps=3": own * 1.1, "eval/perplexity@steps=2": 2500.0,
-                     "eval/perplexity@rk4:steps=8": own * 1.03,
-                     "eval/perplexity@adaptive:rtol=0.001": own * 1.05,
-                     "eval/nfe@adaptive:rtol=0.001": 44.0})
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    text = tool.table([("r", str(tmp_path), None), ("r100", str(tmp_path), 100)])
-    last, first = text.splitlines()[2:]
-    assert last.startswith("| r | 200 | – | 2,500 | 110.0 (+10.0 %) | – | **100.0** |")
-    assert last.endswith("| 103.0 (+3.0 %) | 105.0 (+5.0 %, 44) | 1.00k |")
-    assert first.startswith("| r100 | 100 | – | 2,500 | 220.0 (+10.0 %) |")
-    tool.plot([("r", str(tmp_path), None)], str(tmp_path / "gap.png"))
-    assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
-    assert tool.main(["table", f"r={tmp_path}@7"]) == 1  # no such eval: one line, exit 1
-    err = capsys.readouterr().err.strip()
-    assert err == f"ode-lm depth-gap: error: {tmp_path}: no eval at step 7", err
-    assert tool.main(["table", f"r={tmp_path / 'nope'}"]) == 1
-    assert "metrics.jsonl: no such file" in capsys.readouterr().err
-
-
 def test_kinetic_energy_ramp_weights_the_step_as_a_constant_weight_would():
     """At step s the ramped step takes the update of a constant-weight step at
     λ(s) = λ0 + (λ1 − λ0)·min(s / ramp, 1), and logs λ(s)."""
