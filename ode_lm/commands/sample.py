@@ -39,12 +39,13 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-sample") -> argparse.Nam
 
 def load_tokenizer(model_dir: str, data_dir: str | None):
     from ode_lm.data import load_manifest
+    from ode_lm.data.manifest import MANIFEST, has_manifest
     from ode_lm.data.tokenizers import get_tokenizer
     from ode_lm.gin_setup import run_dir
 
     data_dir = data_dir or run_dir(model_dir).data_dir()
-    if not data_dir or not os.path.exists(os.path.join(data_dir, "manifest.json")):
-        raise FileNotFoundError(f"no prepared data (manifest.json) for {model_dir}; "
+    if not has_manifest(data_dir):
+        raise FileNotFoundError(f"no prepared data ({MANIFEST}) for {model_dir}; "
                                 "pass --data_dir=DIR to name the tokenizer's data")
     manifest = load_manifest(data_dir)
     return get_tokenizer(manifest["tokenizer"]["spec"], data_dir)
