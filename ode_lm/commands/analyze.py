@@ -22,6 +22,8 @@ COMMANDS = ("trajectory", "spectral", "lyapunov")
 
 
 def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
+    from ode_lm.models.config import SOLVERS
+
     p = cli.doc_parser(prog, __doc__)
     p.add_argument("command", choices=COMMANDS, help="the analysis to run")
     p.add_argument("--model_dir", required=True, help="a training run directory")
@@ -33,7 +35,7 @@ def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
     p.add_argument("--data_dir", default=None, help="prepared data dir (its manifest)")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec, overrides the manifest")
     p.add_argument("--num_steps", type=int, default=None, help="ODE solver steps M")
-    p.add_argument("--solver", default=None, choices=("euler", "midpoint", "rk4"))
+    p.add_argument("--solver", default=None, choices=SOLVERS)
     # spectral
     p.add_argument("--num_times", type=int, default=101, help="spectral: t values in [0, 1]")
     p.add_argument("--times", type=cli.float_list, default=None,

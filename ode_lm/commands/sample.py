@@ -53,6 +53,7 @@ def load_tokenizer(model_dir: str, data_dir: str | None):
 
 def run(args: argparse.Namespace) -> list[str]:
     from ode_lm.generation import check_num_steps, generate
+    from ode_lm.models.solvers import is_adaptive
     from ode_lm.training.saved_run import load_model
 
     check_num_steps(args.num_steps)
@@ -77,8 +78,8 @@ def run(args: argparse.Namespace) -> list[str]:
         print("-" * 40)
     n = out.size
     steps = args.num_steps or config.num_steps
-    depth = f"{args.solver} rtol={args.rtol or config.rtol:g}" if args.solver in (
-        "adaptive", "bosh3", "dopri5") else f"M={steps}"
+    depth = f"{args.solver} rtol={args.rtol or config.rtol:g}" if is_adaptive(
+        args.solver) else f"M={steps}"
     line = f"step {step} | {depth} | {len(prompts)} prompts x {args.max_new_tokens} tokens | " \
            f"first call (compile + run) {first:.2f}s"
     if not args.no_timing:
