@@ -22,8 +22,9 @@ import numpy as np
 
 from ode_lm.data import packing as packing_lib
 from ode_lm.data.config import DataConfig
+from ode_lm.data.host_streams import host_rows
 from ode_lm.data.manifest import PreparedDataError, manifest_path
-from ode_lm.data.pipeline import host_rows, open_split, resolve_processes
+from ode_lm.data.pipeline import open_split, resolve_processes
 
 
 class EvalStream:
