@@ -29,7 +29,7 @@ import dataclasses
 EVAL = "eval"
 LM_EVAL = "lm_eval"
 LOSS, PERPLEXITY, NFE, TOKENS, DEPTH_GAP = "loss", "perplexity", "nfe", "tokens", "depth_gap"
-GAP_PREFIX = f"{EVAL}/{DEPTH_GAP}/"
+GAP_PREFIX = "eval/depth_gap/"
 SOLVE_FORMS = "'<solver>:steps=<N>', '<adaptive solver>:rtol=<r>' or 'steps=<N>'"
 
 
