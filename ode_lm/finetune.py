@@ -107,11 +107,12 @@ def check_tokenizer_match(pretrained: RunDir, data_config: Any, model: ModelConf
     """The fine-tuning data must be tokenized exactly like the pretraining data (prepared
     here if needed: by process 0 first on a multi-host job, so hosts never race on it)."""
     from ode_lm import data as data_lib
+    from ode_lm.data.manifest import has_manifest
 
     ft = prepare_data_once(data_config)
     pretrained_dir = pretrained.path
     pre_dir = pretrained.data_dir()
-    if pre_dir and os.path.exists(os.path.join(pre_dir, "manifest.json")):
+    if has_manifest(pre_dir):
         pre = data_lib.load_manifest(pre_dir)
         a, b = pre["tokenizer"], ft["tokenizer"]
         if a["sha256"] != b["sha256"] or a["vocab_size"] != b["vocab_size"]:

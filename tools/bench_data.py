@@ -34,7 +34,7 @@ from ode_lm.data import packing as packing_lib
 from ode_lm.data import sources as sources_lib
 from ode_lm.data.corpus import builtin_documents
 from ode_lm.data.shuffle import feistel_permute
-from ode_lm.data.streaming import DocReader, HostFiles
+from ode_lm.data.streaming_source import DocReader, HostFiles
 
 
 def measure(cfg: DataConfig, seconds: float, min_batches: int = 5) -> tuple[float, float, int]:

@@ -1,6 +1,7 @@
 """Looking inside a trained model: trajectories, eigen-spectra, token Lyapunov exponents.
 
-Generic math (no model import): ``spectra``, ``lyapunov``; the model's view:
-``model_access``, ``trajectory``; outputs: ``plots``, ``report_html``; ``commands`` backs
-``ode-lm analyze``; ``bench`` measures the README speed figures.
+A library (no gin, no flags, no benchmark presets): generic math (no model import):
+``spectra``, ``lyapunov``; the model's view: ``model_access``, ``trajectory``; outputs:
+``plots``, ``report_html``, ``reports`` (model + inputs → files + summary lines). Its command
+line lives in ``ode_lm.commands`` (``analyze``, ``depth_report``, ``analysis_speed``).
 """

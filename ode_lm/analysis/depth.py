@@ -19,8 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ode_lm.models.config import SOLVERS
+
 DEFAULT_NUM_STEPS = (2, 3, 4, 6, 8, 12, 16, 24)
-DEFAULT_SOLVERS = ("euler", "midpoint", "rk4")
+DEFAULT_SOLVERS = SOLVERS  # every fixed-grid solver
 DEFAULT_RTOLS = (1e-2, 1e-3)
 
 
@@ -108,7 +110,7 @@ def write_csv(reports: dict[str, dict[str, Any]], path) -> pathlib.Path:
 
 RUN_MARKERS = ("o", "s", "^", "D", "v", "P")
 RUN_STYLES = ("-", "--", "-.", ":")
-SOLVER_COLORS = {"euler": "C0", "midpoint": "C1", "rk4": "C2", "adaptive": "C3"}
+SOLVER_COLORS = {s: f"C{i}" for i, s in enumerate((*SOLVERS, "adaptive"))}
 
 
 def reference_ppl(report: dict[str, Any]) -> float | None:

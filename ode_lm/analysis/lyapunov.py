@@ -36,9 +36,9 @@ import numpy as np
 
 from ode_lm.analysis.blas import single_threaded
 from ode_lm.models import solvers
+from ode_lm.models.config import SOLVERS
 
 VectorField = Callable[[jax.Array, jax.Array], jax.Array]
-SOLVERS = ("euler", "midpoint", "rk4")
 
 
 def jacobian_row(field: VectorField, x: jax.Array, t, position: int,

@@ -28,7 +28,7 @@ import numpy as np
 from ode_lm import partitioning
 from ode_lm.bench.presets import CONFIGS, BenchConfig, get_config  # noqa: F401 (re-exported)
 from ode_lm.models import ModelConfig, build_model
-from ode_lm.models.accounting import param_count
+from ode_lm.models.accounting import flops_per_token, param_count
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import state as state_lib
@@ -108,15 +108,6 @@ def model_flops_per_step(spec: state_lib.StateSpec, schedule, step_config, batch
     with jax.set_mesh(spec.mesh):
         closed = jax.make_jaxpr(fn)(spec.abstract_state, batch)
     return dot_flops(closed.jaxpr)
-
-
-def accounting_flops_per_step(config: ModelConfig, bench: BenchConfig) -> float:
-    """Model FLOPs of one train step by ``ode_lm.models.accounting`` (the trainer's MFU
-    convention: matmuls only, causal attention halved, no remat recomputation)."""
-    from ode_lm.models.accounting import flops_per_token
-
-    fpt = flops_per_token(config, seq_len=bench.seq_len, tokens_per_batch=bench.tokens_per_step)
-    return float(fpt.training) * bench.tokens_per_step
 
 
 # ------------------------------------------------------------------------ memory
@@ -213,7 +204,11 @@ class TrainBench:
                           for k, v in synthetic_batch(bench, seed).items()}
         self.compiled = self.programs[max(self.variant_weights, key=self.variant_weights.get)]
         self.mesh = mesh
-        self.flops = accounting_flops_per_step(model_config, bench)
+        # model FLOPs of one step as the trainer's MFU counts them (models.accounting: matmuls
+        # only, causal attention halved, no remat recomputation)
+        self.flops = float(flops_per_token(model_config, seq_len=bench.seq_len,
+                                           tokens_per_batch=bench.tokens_per_step).training
+                           ) * bench.tokens_per_step
         self.traced_flops = math.nan
         if count_flops:
             # Matmul FLOPs as traced (full attention matrices), without remat recomputation.

@@ -13,8 +13,11 @@ analysis section for what each figure means.
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ode_lm import cli
 
@@ -22,6 +25,8 @@ COMMANDS = ("trajectory", "spectral", "lyapunov")
 
 
 def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
+    from ode_lm.models.config import SOLVERS
+
     p = cli.doc_parser(prog, __doc__)
     p.add_argument("command", choices=COMMANDS, help="the analysis to run")
     p.add_argument("--model_dir", required=True, help="a training run directory")
@@ -33,7 +38,7 @@ def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
     p.add_argument("--data_dir", default=None, help="prepared data dir (its manifest)")
     p.add_argument("--tokenizer", default=None, help="tokenizer spec, overrides the manifest")
     p.add_argument("--num_steps", type=int, default=None, help="ODE solver steps M")
-    p.add_argument("--solver", default=None, choices=("euler", "midpoint", "rk4"))
+    p.add_argument("--solver", default=None, choices=SOLVERS)
     # spectral
     p.add_argument("--num_times", type=int, default=101, help="spectral: t values in [0, 1]")
     p.add_argument("--times", type=cli.float_list, default=None,
@@ -52,10 +57,58 @@ def build_parser(prog: str = "ode-lm analyze") -> argparse.ArgumentParser:
     return p
 
 
+def resolve_tokenizer(model_dir: str, data_dir: str | None = None,
+                      tokenizer: str | None = None):
+    """The run's tokenizer: --tokenizer, else the manifest of --data_dir or of the run's data
+    dir, else the run's DataConfig.tokenizer (``training.run_dir``)."""
+    from ode_lm.data import load_manifest
+    from ode_lm.data.tokenizers import get_tokenizer
+    from ode_lm.gin_setup import run_dir
+
+    run_data = run_dir(model_dir).data_config() if tokenizer is None or data_dir is None else None
+    if data_dir is None and run_data is not None:
+        data_dir = run_data.data_dir
+    if tokenizer is None and data_dir is not None:
+        tokenizer = load_manifest(data_dir)["tokenizer"]["spec"]
+    if tokenizer is None and run_data is not None:
+        tokenizer = run_data.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"--model_dir={model_dir}: no data_config.json naming the data; pass "
+                         "--data_dir=DIR (a prepared data dir) or --tokenizer=SPEC or --tokens")
+    return get_tokenizer(tokenizer, data_dir)
+
+
+def read_tokens(tok, text: str | None, text_file: str | None,
+                tokens: str | None) -> tuple[Any, list[str]]:
+    """Token ids ``[T]`` and the text of each token from --text / --text_file / --tokens."""
+    import numpy as np
+
+    given = [x is not None for x in (text, text_file, tokens)]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of --text, --text_file, --tokens")
+    if tokens is not None:
+        try:
+            ids = np.array([int(x) for x in tokens.split(",") if x.strip()], np.int64)
+        except ValueError:
+            raise ValueError(f"--tokens={tokens!r}: expected comma-separated integers") from None
+    else:
+        if text_file is not None:
+            if not os.path.isfile(text_file):
+                raise FileNotFoundError(f"--text_file={text_file}: no such file")
+            text = pathlib.Path(text_file).read_text(encoding="utf-8")
+        if not text:
+            raise ValueError("the input text is empty")
+        if tok is None:
+            raise ValueError("--text needs a tokenizer (--data_dir / --tokenizer)")
+        ids = np.asarray(tok.encode(text), np.int64)
+    pieces = [tok.decode([int(i)]) if tok is not None else f"<{int(i)}>" for i in ids]
+    return ids, pieces
+
+
 def run(args: argparse.Namespace) -> list[str]:
     import numpy as np
 
-    from ode_lm.analysis import commands
+    from ode_lm.analysis import reports
     from ode_lm.training.saved_run import load_model
 
     model, run = load_model(args.model_dir, args.step)
@@ -67,20 +120,20 @@ def run(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"--num_times={args.num_times}: must be >= 1")
         times = args.times if args.times is not None else np.linspace(0, 1, args.num_times)
         compare = load_model(args.compare_dir)[0] if args.compare_dir else None
-        _, lines = commands.run_spectral(model, args.out, times=times, mlp_units=args.mlp_units,
+        _, lines = reports.run_spectral(model, args.out, times=times, mlp_units=args.mlp_units,
                                          seed=args.seed, compare=compare)
         return head + lines
     tok = None
     if args.tokens is None:
-        tok = commands.resolve_tokenizer(args.model_dir, args.data_dir, args.tokenizer)
-    tokens, pieces = commands.read_tokens(tok, args.text, args.text_file, args.tokens)
+        tok = resolve_tokenizer(args.model_dir, args.data_dir, args.tokenizer)
+    tokens, pieces = read_tokens(tok, args.text, args.text_file, args.tokens)
     if args.command == "lyapunov":
-        _, lines = commands.run_lyapunov(
+        _, lines = reports.run_lyapunov(
             model, tokens, pieces, args.out, position=args.position, num_steps=args.num_steps,
             solver=args.solver, num_exponents=args.num_exponents, score=args.score,
             chunk_size=args.chunk_size)
     else:
-        _, lines = commands.run_trajectory(model, tokens, args.out, num_steps=args.num_steps,
+        _, lines = reports.run_trajectory(model, tokens, args.out, num_steps=args.num_steps,
                                            solver=args.solver, times=args.times)
     return head + [f"{len(tokens)} tokens"] + lines
 
@@ -91,7 +144,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm analyze") -> int
 
 
 def analyze(args: argparse.Namespace) -> int:
-    from ode_lm.analysis.commands import write_summary
+    from ode_lm.analysis.reports import write_summary
 
     start = time.perf_counter()
     lines = run(args)

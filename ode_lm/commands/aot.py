@@ -100,15 +100,6 @@ def load_gin(gin_files: Sequence[str], bindings: Sequence[str]):
                 mesh=gin_setup.GinMeshConfig(), num_train_steps=num_train_steps)
 
 
-def analytic_flops_per_token(model, num_steps: int | None, seq_len: int,
-                             tokens_per_batch: int | None = None) -> float:
-    """Training FLOPs per token from ode_lm.models.accounting (the trainer's MFU count)."""
-    from ode_lm.models.accounting import flops_per_token
-
-    return float(flops_per_token(model, num_steps, seq_len=seq_len,
-                                 tokens_per_batch=tokens_per_batch).training)
-
-
 def vanilla_config(cfg: dict) -> dict:
     """The discrete (sequential) baseline of the same width and depth: one layer per
     vector-field evaluation of the configured ODE (N·stages)."""
@@ -158,7 +149,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     import jax
 
     from ode_lm import partitioning
-    from ode_lm.models.accounting import param_count
+    from ode_lm.models.accounting import flops_per_token, param_count
     from ode_lm.models.common import attention_impl
     from ode_lm.training import state as state_lib
     from ode_lm.training import step as step_lib
@@ -181,8 +172,9 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, counts["total"],
                     counts["hypernetwork"],
                     fits=False, compile_seconds=0.0, label=label,
-                    analytic_flops_per_token=analytic_flops_per_token(
-                        model, cfg["step"].num_steps, data.seq_len, global_batch * data.seq_len))
+                    analytic_flops_per_token=float(flops_per_token(  # the trainer's MFU count
+                        model, cfg["step"].num_steps, seq_len=data.seq_len,
+                        tokens_per_batch=global_batch * data.seq_len).training))
     step_fn = step_lib.jit_train_step(spec, schedule, cfg["step"])
     batch = step_lib.abstract_batch(spec, global_batch, data.seq_len)
     with jax.set_mesh(mesh):

@@ -37,12 +37,12 @@ TARGET_CKPT_BLOCKED = 0.05  # of a no-save step: time save() holds the train loo
 TARGET_MEMORY_SLACK = 1.10
 BYTES_PER_EXTRA_PARAM = 4 * 4  # params, grads, two Adam moments; float32
 
-# section: (row label, ModelConfig field, values)
+# section: (row label, ModelConfig field, values; None: every fixed-grid solver, models.config's)
 SWEEPS = {
     "weight_gen": ("weight gen {}", "weight_generation", ("in_scan", "precompute")),
     "remat": ("remat {}", "remat", ("none", "dots_saveable", "full")),
     "dtype": ("{}", "dtype", ("float32", "bfloat16")),
-    "solver": ("{} N={n}", "solver", ("euler", "midpoint", "rk4")),
+    "solver": ("{} N={n}", "solver", None),
 }
 
 
@@ -105,6 +105,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     import jax
 
     from ode_lm.bench import train_bench as bu
+    from ode_lm.models.config import SOLVERS
     from ode_lm.models.lm import precompute_weights
     from ode_lm.training import checkpoint as ckpt_lib
 
@@ -152,6 +153,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     current = {**{f: getattr(base, f) for _, f, _ in SWEEPS.values()},
                "weight_generation": resolved}
     for section, (row, field, values) in SWEEPS.items():
+        values = SOLVERS if values is None else values
         if section in args.sections:
             plan.append((section, [
                 (row.format(v, n=n), ode if v == current[field] else

@@ -52,19 +52,20 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
                  atol: float | None = None) -> dict[str, float]:
     """{'step', 'eval/loss', 'eval/perplexity', 'eval/nfe', 'eval/loss@steps=M', ...,
     'eval/tokens'} for a saved run, named as the trainer names them
-    (``training.evaluation.metric_suffix``: no suffix at the model's own solver and N,
+    (``training.metric_names``: no suffix at the model's own solver and N,
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
     adaptive), and ``eval/depth_gap/<setting>`` as the trainer logs it."""
     from ode_lm.gin_setup import run_dir
+    from ode_lm.training import metric_names as names
     from ode_lm.training.evaluation import depth_gaps
     from ode_lm.training.saved_run import load_run
 
-    ppl = "eval/perplexity"
     cli.check_solver_flags(solver, rtol, atol)
     run = load_run(model_dir, step, read_run=run_dir)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
     # the trainer's drift metric, with the same names: each other setting against the own N
-    settings = [k[len(ppl):] for k in sweep if k.startswith(ppl)]
+    figures = [names.parse(k) for k in sweep]
+    settings = [f.suffix for f in figures if f.metric == names.PERPLEXITY and not f.eval_set]
     return {"step": float(run.step), **sweep, **depth_gaps(sweep, settings)}
 
 

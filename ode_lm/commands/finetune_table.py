@@ -88,6 +88,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm finetune-table")
 def run(args: argparse.Namespace) -> int:
 
     from ode_lm import gin_setup
+    from ode_lm.training.metric_names import PERPLEXITY, name
     from ode_lm.training.run_dir import RunDir
     from ode_lm.training.saved_run import load_model
 
@@ -121,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
                 before = zero_shot_perplexity(pretrained, ft_data, m)
             saved = RunDir(out).finetune_result()
             if saved is not None:
-                after, frac = saved["eval"]["eval/perplexity"], saved["fraction"]
+                after, frac = saved["eval"][name(PERPLEXITY)], saved["fraction"]
             else:
                 result, info = gin_setup.finetune()
-                after, frac = result.eval["eval/perplexity"], info["fraction"]
+                after, frac = result.eval[name(PERPLEXITY)], info["fraction"]
             rows.append((m, method, 100 * frac, before, after))
     print(f"\n(total {time.time() - t0:.0f}s)\n")
     print("| M (steps) | method | trainable % | ppl before (pretrained @ M) | ppl after |")

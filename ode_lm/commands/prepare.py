@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm prepare") -> int
 
 
 def run(args: argparse.Namespace) -> int:
+    from ode_lm.data.manifest import MANIFEST, manifest_path
     from ode_lm.data.prepare import prepare
 
     delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     skipped = m.get("skipped_files") or {}
     if skipped.get("empty") or skipped.get("unreadable"):
         print(f"skipped source files: {skipped['empty']} empty, {skipped['unreadable']} unreadable "
-              "(listed in manifest.json skipped_files)")
-    print(f"manifest: {cfg.data_dir}/manifest.json (vocab {m['vocab_size']}, eos {m['eos_id']})")
+              f"(listed in {MANIFEST} skipped_files)")
+    print(f"manifest: {manifest_path(cfg.data_dir)} (vocab {m['vocab_size']}, "
+          f"eos {m['eos_id']})")
     return 0

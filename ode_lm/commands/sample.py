@@ -39,12 +39,13 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-sample") -> argparse.Nam
 
 def load_tokenizer(model_dir: str, data_dir: str | None):
     from ode_lm.data import load_manifest
+    from ode_lm.data.manifest import MANIFEST, has_manifest
     from ode_lm.data.tokenizers import get_tokenizer
     from ode_lm.gin_setup import run_dir
 
     data_dir = data_dir or run_dir(model_dir).data_dir()
-    if not data_dir or not os.path.exists(os.path.join(data_dir, "manifest.json")):
-        raise FileNotFoundError(f"no prepared data (manifest.json) for {model_dir}; "
+    if not has_manifest(data_dir):
+        raise FileNotFoundError(f"no prepared data ({MANIFEST}) for {model_dir}; "
                                 "pass --data_dir=DIR to name the tokenizer's data")
     manifest = load_manifest(data_dir)
     return get_tokenizer(manifest["tokenizer"]["spec"], data_dir)
@@ -52,6 +53,7 @@ def load_tokenizer(model_dir: str, data_dir: str | None):
 
 def run(args: argparse.Namespace) -> list[str]:
     from ode_lm.generation import check_num_steps, generate
+    from ode_lm.models.solvers import is_adaptive
     from ode_lm.training.saved_run import load_model
 
     check_num_steps(args.num_steps)
@@ -76,8 +78,8 @@ def run(args: argparse.Namespace) -> list[str]:
         print("-" * 40)
     n = out.size
     steps = args.num_steps or config.num_steps
-    depth = f"{args.solver} rtol={args.rtol or config.rtol:g}" if args.solver in (
-        "adaptive", "bosh3", "dopri5") else f"M={steps}"
+    depth = f"{args.solver} rtol={args.rtol or config.rtol:g}" if is_adaptive(
+        args.solver) else f"M={steps}"
     line = f"step {step} | {depth} | {len(prompts)} prompts x {args.max_new_tokens} tokens | " \
            f"first call (compile + run) {first:.2f}s"
     if not args.no_timing:

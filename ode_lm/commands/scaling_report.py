@@ -21,8 +21,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ode_lm import cli
+from ode_lm.training.metric_names import LOSS, name
 
-LOSS_TAG = "eval/loss"
+LOSS_TAG = name(LOSS)
 TOKENS_TAG = "train/tokens_seen"
 
 
@@ -70,13 +71,6 @@ def read_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: sorted(points.items()) for tag, points in out.items()}
 
 
-def analytic_flops_per_token(config) -> float:
-    """Training FLOPs per token (forward + backward, weight generation included)."""
-    from ode_lm.models.accounting import flops_per_token
-
-    return float(flops_per_token(config, config.num_steps).training)
-
-
 def find_runs(paths: Sequence[str]) -> list[str]:
     """Run dirs (holding a model config) given directly or up to two levels below."""
     from ode_lm.training.run_dir import MODEL_CONFIG
@@ -92,10 +86,12 @@ def find_runs(paths: Sequence[str]) -> list[str]:
 
 def collect(run_dirs: Sequence[str], loss_tag: str = LOSS_TAG, tokens_tag: str = TOKENS_TAG,
             flops_fn: Callable | None = None) -> list[RunPoint]:
-    """One point per run: its last eval loss and its training FLOPs at that step."""
+    """One point per run: its last eval loss and its training FLOPs at that step (per token:
+    ``flops_fn(config)``, by default ``models.accounting``'s training count at the run's N)."""
+    from ode_lm.models.accounting import flops_per_token
     from ode_lm.training.run_dir import RunDir
 
-    flops_fn = flops_fn or analytic_flops_per_token
+    flops_fn = flops_fn or (lambda config: float(flops_per_token(config).training))
     points = []
     for run_dir in run_dirs:
         config = RunDir(run_dir).model_config()

@@ -32,7 +32,7 @@ class DataConfig:
 
     Prepared batches depend only on (data, tokenizer, seq_len, global_batch_size, packing,
     seed, first_fit_bins, row_shuffle_window) and the step, never on the host count (data
-    streams: ``streams.py``); thread/worker/prefetch counts never change them. Streaming
+    streams: ``host_streams.py``); thread/worker/prefetch counts never change them. Streaming
     batches also depend on the host count.
     """
 

@@ -22,8 +22,9 @@ import numpy as np
 
 from ode_lm.data import packing as packing_lib
 from ode_lm.data.config import DataConfig
-from ode_lm.data.manifest import PreparedDataError
-from ode_lm.data.pipeline import host_rows, open_split, resolve_processes
+from ode_lm.data.host_streams import host_rows
+from ode_lm.data.manifest import PreparedDataError, manifest_path
+from ode_lm.data.pipeline import open_split, resolve_processes
 
 
 class EvalStream:
@@ -49,7 +50,7 @@ def check_eval_split(cfg: DataConfig, manifest: dict[str, Any], split: str = "va
     """Before training: the eval split exists and yields at least one batch (from the manifest
     alone, no pass over the data); returns the number of eval batches. Without this a corpus
     with no validation split would fail only after the last train step."""
-    where = f"{manifest['data_dir']}/manifest.json"
+    where = manifest_path(manifest["data_dir"])
     info = manifest["splits"].get(split)
     if info is None:
         raise PreparedDataError(f"{where}: no {split!r} split to evaluate on "

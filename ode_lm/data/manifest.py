@@ -91,6 +91,16 @@ def _check_structure(m: dict[str, Any], p: epath.Path) -> None:
                                     f"{docs} documents (each ends in EOS); the manifest was edited")
 
 
+def manifest_path(data_dir: str | os.PathLike) -> str:
+    """``<data_dir>/manifest.json``: the one place the file's name is spelled."""
+    return os.fspath(epath.Path(data_dir) / MANIFEST)
+
+
+def has_manifest(data_dir: str | os.PathLike | None) -> bool:
+    """Whether ``data_dir`` is a prepared data dir (its manifest exists; nothing checked)."""
+    return bool(data_dir) and epath.Path(manifest_path(data_dir)).exists()
+
+
 def load_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
     """The manifest of a prepared dir, with ``vocab_size``/``eos_id``/``dtype`` at top level."""
     p = epath.Path(data_dir) / MANIFEST
@@ -112,7 +122,7 @@ def load_manifest(data_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _manifest_path(manifest: dict[str, Any]) -> str:
-    return os.fspath(epath.Path(manifest["data_dir"]) / MANIFEST)
+    return manifest_path(manifest["data_dir"])
 
 
 def check_tokenizer(manifest: dict[str, Any], spec: str | None) -> None:

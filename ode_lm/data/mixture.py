@@ -9,7 +9,7 @@ a dict ``{"data_dir", "source", "tokenizer", "seq_len"}``. ``DataConfig.mixture_
 
 Sampling (``MixturePicker``): global row ``(s, r)`` draws on component ``c`` where a seeded
 hash of (seed, s, r) falls in ``c``'s share of the weights in force at ``s``, then takes the
-next row of that component's packed sub-stream of data stream ``r`` (``streams.py``). The
+next row of that component's packed sub-stream of data stream ``r`` (``host_streams.py``). The
 choice depends on nothing else, so the state is the sub-streams' positions (exact resume on
 any host count), and the rows drawn per component up to any step are a pure function of the
 config (``tokens_drawn``: the ``data/<component>/tokens`` the trainer logs).
@@ -23,9 +23,9 @@ from typing import Any
 import grain
 import numpy as np
 
+from ode_lm.data import host_streams as streams_lib
 from ode_lm.data import manifest as prep
 from ode_lm.data import pipeline
-from ode_lm.data import streams as streams_lib
 from ode_lm.data.config import DataConfig
 from ode_lm.data.config import check_mixture as check_config  # noqa: F401 - settings: config.py
 from ode_lm.data.config import mixture_components as components

@@ -14,7 +14,8 @@ by an unrelated document, in first-fit) are masked.
 
 ``Packer`` is the one packer of both training pipelines: it reads a host's document sequence
 block by block from a ``DocumentBlocks`` source (prepared shards: ``pipeline.PreparedBlocks``;
-streaming files: ``streaming.StreamingBlocks``) and packs it with ``concat`` or ``first_fit``.
+streaming files: ``streaming_source.StreamingBlocks``) and packs it with ``concat`` or
+``first_fit``.
 Its state ``{"doc", "offset", "carry"}`` (next host document, tokens already used of it,
 first-fit pieces ``[doc, offset, length]`` waiting for room) is exact to the token; a source
 adds its own keys (streaming: ``window``, ``reader``).

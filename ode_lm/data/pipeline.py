@@ -12,7 +12,7 @@ fresh seeded permutation per epoch, ``shuffle.feistel_permute``). Data stream ``
 ``V = global_batch_size`` reads positions ``g = v, v + V, v + 2V, ...`` (``StreamOrder``) and
 packs global row ``v`` of every batch, so streams split every epoch into disjoint parts
 that together cover it exactly, and the global batch at step ``s`` is the same on any
-number of hosts; host ``p`` of ``P`` runs streams ``[p*B/P, (p+1)*B/P)`` (``streams.py``).
+number of hosts; host ``p`` of ``P`` runs streams ``[p*B/P, (p+1)*B/P)`` (``host_streams.py``).
 A stream's packer state is ``{"doc", "offset", "carry"}`` (position in the stream's document
 sequence, tokens already used of the current document, first-fit pieces waiting for room),
 plus ``"row"`` with the row shuffle on (``packing.Packer``; a stream's window is
@@ -34,9 +34,9 @@ from typing import Any
 import grain
 import numpy as np
 
+from ode_lm.data import host_streams as streams_lib
 from ode_lm.data import packing as packing_lib
 from ode_lm.data import prepare as prep
-from ode_lm.data import streams as streams_lib
 from ode_lm.data.config import DataConfig
 from ode_lm.data.shuffle import feistel_permute
 
@@ -200,13 +200,6 @@ def resolve_processes(process_index: int | None, process_count: int | None) -> t
     if not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} not in [0, process_count={process_count})")
     return process_index, process_count
-
-
-def host_rows(global_batch: int, process_count: int, what: str = "global_batch_size") -> int:
-    if global_batch % process_count:
-        raise ValueError(f"DataConfig.{what}={global_batch} is not divisible by "
-                         f"process_count={process_count}")
-    return global_batch // process_count
 
 
 def open_split(cfg: DataConfig, split: str) -> tuple[dict[str, Any], ShardRecords]:

@@ -262,7 +262,7 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
     dt = time.perf_counter() - start
     toks = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
     if skipped.reasons:
-        log(f"prepare: {skipped.describe()} (manifest.json skipped_files)")
+        log(f"prepare: {skipped.describe()} ({MANIFEST} skipped_files)")
     log(f"prepare: {num_docs} docs, {toks} tokens in {dt:.1f}s "
         f"({num_docs / dt:,.0f} docs/s, {toks / dt:,.0f} tokens/s) -> {root}")
     return load_manifest(root)

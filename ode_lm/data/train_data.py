@@ -13,9 +13,10 @@ from ode_lm.data import eval_sets
 from ode_lm.data import manifest as prep
 from ode_lm.data import mixture as mixture_lib
 from ode_lm.data.config import DataConfig
-from ode_lm.data.pipeline import host_rows, make_prepared_iterator, resolve_processes
+from ode_lm.data.host_streams import host_rows
+from ode_lm.data.pipeline import make_prepared_iterator, resolve_processes
 from ode_lm.data.prepare import ensure_prepared as prepare_one
-from ode_lm.data.streaming import make_streaming_iterator
+from ode_lm.data.streaming_source import make_streaming_iterator
 
 
 def make_train_iterator(cfg: DataConfig, *, process_index: int | None = None,

@@ -18,14 +18,17 @@ import os
 import shutil
 from typing import Any
 
+from ode_lm.data.manifest import MANIFEST, has_manifest, manifest_path
+
 TOKENIZER_NOTE = "ode_lm_tokenizer.json"
 
 
 def _manifest(data_dir: str) -> dict[str, Any] | None:
-    path = os.path.join(data_dir, "manifest.json")
-    if not os.path.exists(path):
+    """The data dir's manifest as written (read, not checked: export only takes the
+    tokenizer's record from it); None when there is none."""
+    if not has_manifest(data_dir):
         return None
-    with open(path) as f:
+    with open(manifest_path(data_dir)) as f:
         return json.load(f)
 
 
@@ -50,7 +53,7 @@ def check_tokenizer_source(data_dir: str | None) -> None:
     for. A run that records no data at all (built in code) exports its weights alone."""
     if data_dir is not None and _manifest(data_dir) is None:
         raise FileNotFoundError(
-            f"the run's data dir {data_dir} is missing (no manifest.json), so its tokenizer "
+            f"the run's data dir {data_dir} is missing (no {MANIFEST}), so its tokenizer "
             "can't be exported: pass --data_dir=DIR, or --weights_only for weights alone")
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ode_lm.training.evaluation import EvalContext, EvalHook
+from ode_lm.training.metric_names import lm_eval_name
 
 _TASK_MANAGERS: dict[tuple, Any] = {}
 
@@ -105,7 +106,7 @@ def metrics(results: dict[str, Any], suffix: str = "") -> dict[str, float]:
                 continue
             if isinstance(value, int | float) and math.isfinite(float(value)):
                 label = name if filt == "none" else f"{name}:{filt}"
-                out[f"lm_eval/{task}/{label}{suffix}"] = float(value)
+                out[lm_eval_name(task, label, suffix)] = float(value)
     return out
 
 
@@ -115,12 +116,11 @@ def evaluate_model(model: Any, tokenizer: Any, tasks: Sequence[str], *,
                    include_path: str | None = None, limit: int | None = None,
                    num_fewshot: int | None = None, batch_size: int = 16) -> dict[str, float]:
     """lm-eval metrics of one model at each N, named as ``eval/`` is
-    (``training.evaluation.metric_suffix``): no suffix at the model's own N, ``@steps=M`` at
+    (``training.metric_names.metric_suffix``): no suffix at the model's own N, ``@steps=M`` at
     another M; an adaptive solve has one entry per call, unsuffixed."""
     require_lm_eval()
     from ode_lm.harness.adapter import OdeLM
-    from ode_lm.models.solvers import is_adaptive
-    from ode_lm.training.evaluation import metric_suffix
+    from ode_lm.training.metric_names import is_adaptive, metric_suffix
 
     tasks = parse_tasks(tasks)
     out: dict[str, float] = {}

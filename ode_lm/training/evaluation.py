@@ -1,25 +1,14 @@
 """The eval of a run at one or several settings, shared by ``Trainer.evaluate`` and ``ode-lm eval``.
 
-One naming for both (``metric_suffix``, the one function that names eval figures), so a
-TensorBoard tag, a metrics row's key, a fine-tune result's key and the eval CLI's
-output mean the same thing. A figure is plain only at the run's own solver and N:
-
-* ``eval/loss``, ``eval/perplexity``, ``eval/nfe``: the run's own solver
-  (``ModelConfig.solver``) at its own N (``ModelConfig.num_steps``; asked for as ``None`` or
-  as N itself);
-* ``eval/loss@steps=M`` (and ``perplexity``, ``nfe``): the run's own solver at another M;
-* ``eval/loss@<solver>:steps=M``: another fixed-grid solver, at any M (its own N included);
-* ``eval/loss@<solver>:rtol=<rtol>``: an adaptive solver (its number of steps is its own);
-* ``eval/tokens``: the token count of the split, once;
-* ``eval/depth_gap/<setting>`` (the trainer's evals, ODE runs): the relative perplexity gap
-  ``ppl@<setting> / ppl − 1`` of every other setting against the run's own solver and N,
-  ``<setting>`` being the suffix's words after ``@`` (``depth_gaps``): a long run's drift
-  away from a continuous model, in one figure per setting.
-
-A setting is a ``Solve``; ``parse_solve`` reads the same words the names write
-(``'rk4:steps=8'``, ``'adaptive:rtol=1e-3'``, ``'steps=8'``: ``TrainConfig.eval_solves``).
-The token-weighted loop itself is ``step.run_eval``; the eval steps are jitted once per
-(M, solver, rtol, atol) and kept, since the trainer evaluates every ``eval_every`` steps.
+Every figure is named by ``training.metric_names`` (``eval/loss``, ``eval/perplexity@rk4:steps=8``,
+``eval/depth_gap/<setting>`` ...), so a TensorBoard tag, a metrics row's key, a fine-tune
+result's key and the eval CLI's output mean the same thing. Here: the ``Evaluator`` (a run's
+settings → named results), the trainer's drift figure ``depth_gaps`` (``ppl@<setting> / ppl
+− 1`` of every other setting against the run's own solver and N: a long run's drift away from
+a continuous model, one figure per setting), the run summary's ``depth_table``, and the
+in-loop hooks. The token-weighted loop itself is ``step.run_eval``; the eval steps are jitted
+once per (M, solver, rtol, atol) and kept, since the trainer evaluates every ``eval_every``
+steps.
 """
 
 from __future__ import annotations
@@ -30,66 +19,18 @@ from typing import Any
 
 import jax
 
-from ode_lm.models import solvers as solvers_lib
+from ode_lm.training import metric_names as names
 from ode_lm.training import step as step_lib
+from ode_lm.training.metric_names import GAP_PREFIX, Solve, metric_suffix, parse_solve
 from ode_lm.training.state import StateSpec
 
-GAP_PREFIX = "eval/depth_gap/"
-SOLVE_FORMS = "'<solver>:steps=<N>', '<adaptive solver>:rtol=<r>' or 'steps=<N>'"
-
-
-@dataclasses.dataclass(frozen=True)
-class Solve:
-    """One eval setting: a fixed-grid solver at N steps, or an adaptive solver at a relative
-    tolerance; ``None`` fields are the run's own (its solver, N, rtol)."""
-
-    solver: str | None = None
-    num_steps: int | None = None
-    rtol: float | None = None
-
-    @property
-    def adaptive(self) -> bool:
-        return solvers_lib.is_adaptive(self.solver)
-
-
-def parse_solve(spec: str, what: str = "eval setting") -> Solve:
-    """``'rk4:steps=8'`` / ``'adaptive:rtol=1e-3'`` / ``'steps=8'`` (the run's solver) →
-    ``Solve``: the words a metric name writes after its ``@``. ``what`` names the flag."""
-    solver, _, setting = spec.rpartition(":")
-    key, eq, value = setting.partition("=")
-    bad = ValueError(f"{what}={spec!r}: expected {SOLVE_FORMS}")
-    if solver and solver not in solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS:
-        raise ValueError(f"{what}={spec!r}: solver {solver!r} is not one of "
-                         f"{solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS}")
-    adaptive = solvers_lib.is_adaptive(solver)
-    if not eq or key != ("rtol" if adaptive else "steps"):
-        raise bad
-    try:
-        number = float(value) if adaptive else int(value)
-    except ValueError:
-        raise bad from None
-    if not number > 0:
-        raise ValueError(f"{what}={spec!r}: {key} must be > 0")
-    return Solve(solver or None, rtol=number) if adaptive else Solve(solver or None, number)
-
-
-def metric_suffix(num_steps: int | None, model_num_steps: int | None, solver: str | None = None,
-                  rtol: float | None = None, *, model_solver: str | None = None) -> str:
-    """What follows ``eval/loss`` in an eval figure's name: '' at the run's own solver
-    (``solver`` None or ``model_solver``) and N, '@steps=M' for its solver at another M,
-    '@<solver>:steps=M' for another fixed-grid solver, '@<solver>:rtol=<r>' adaptive."""
-    if solvers_lib.is_adaptive(solver):
-        return f"@{solver}:rtol={rtol:g}"
-    n = model_num_steps if num_steps is None else num_steps
-    if solver is None or solver == model_solver:
-        return "" if n == model_num_steps else f"@steps={n}"
-    return f"@{solver}:steps={n}"
+LOSS, PERPLEXITY, NFE, TOKENS = names.LOSS, names.PERPLEXITY, names.NFE, names.TOKENS
 
 
 def sweep_solves(num_steps: Sequence[int | None] = (None,), solver: str | None = None,
                  rtol: float | None = None) -> list[Solve]:
     """A depth sweep as settings: ``solver`` at each N (an adaptive solver: once, at rtol)."""
-    if solvers_lib.is_adaptive(solver):
+    if names.is_adaptive(solver):
         return [Solve(solver, rtol=rtol)]
     return [Solve(solver, n) for n in num_steps]
 
@@ -118,9 +59,9 @@ class Evaluator:
         if key not in self._steps:
             self._steps[key] = step_lib.make_eval_step(self.spec, num_steps, solver,
                                                        rtol=rtol, atol=atol)
-        label = "eval" + metric_suffix(num_steps, self.model_num_steps, solver,
-                                       rtol if rtol is not None else self.model_rtol,
-                                       model_solver=self.model_solver)
+        label = names.EVAL + metric_suffix(num_steps, self.model_num_steps, solver,
+                                           rtol if rtol is not None else self.model_rtol,
+                                           model_solver=self.model_solver)
         with jax.set_mesh(self.spec.mesh):
             return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what,
                                      total=self.num_batches, label=label)
@@ -128,7 +69,7 @@ class Evaluator:
     def resolve(self, solve: Solve) -> Solve:
         """``solve`` with the run's solver, N or rtol where it leaves them ``None``."""
         solver = solve.solver or self.model_solver
-        if solvers_lib.is_adaptive(solver):
+        if names.is_adaptive(solver):
             return Solve(solver, rtol=self.model_rtol if solve.rtol is None else solve.rtol)
         return Solve(solver, self.model_num_steps if solve.num_steps is None else solve.num_steps)
 
@@ -151,15 +92,15 @@ class Evaluator:
         results: dict[str, float] = {}
         for solve in solves:
             label = self.suffix(solve)
-            if f"eval/loss{label}" in results:
+            if names.name(LOSS, label) in results:
                 continue
             res = self.result(params, solve.num_steps, solve.solver,
                               rtol=solve.rtol if solve.adaptive else None,
                               atol=atol if solve.adaptive else None)
-            results[f"eval/loss{label}"] = res.loss
-            results[f"eval/perplexity{label}"] = res.perplexity
-            results[f"eval/nfe{label}"] = res.nfe
-            results.setdefault("eval/tokens", res.tokens)
+            results[names.name(LOSS, label)] = res.loss
+            results[names.name(PERPLEXITY, label)] = res.perplexity
+            results[names.name(NFE, label)] = res.nfe
+            results.setdefault(names.name(TOKENS), res.tokens)
         return results
 
     def sweep(self, params: Any, num_steps: Sequence[int | None] = (None,),
@@ -174,11 +115,11 @@ def depth_gaps(results: Mapping[str, float], settings: Iterable[str]) -> dict[st
     ``settings`` but the run's own (``''``) that ``results`` holds; ``{}`` without the own
     perplexity. Computed from the logged perplexities, so it equals the same ratio of
     ``ode-lm eval``'s figures on the same checkpoint."""
-    own = results.get("eval/perplexity")
+    own = results.get(names.name(PERPLEXITY))
     if own is None:
         return {}
-    return {f"{GAP_PREFIX}{suffix[1:]}": results[f"eval/perplexity{suffix}"] / own - 1.0
-            for suffix in settings if suffix and f"eval/perplexity{suffix}" in results}
+    return {names.gap_name(suffix): results[names.name(PERPLEXITY, suffix)] / own - 1.0
+            for suffix in settings if suffix and names.name(PERPLEXITY, suffix) in results}
 
 
 def gap_summary(results: Mapping[str, float]) -> str:
@@ -199,26 +140,26 @@ def depth_table(results: Mapping[str, float], settings: Mapping[str, Solve]
     settings."""
     order = sorted(settings.items(), key=lambda kv: (kv[1].adaptive, kv[1].solver or "",
                                                      kv[1].num_steps or 0, kv[1].rtol or 0.0))
-    rows, shown = [], {"eval/tokens"}
+    rows, shown = [], {names.name(TOKENS)}
     for suffix, solve in order:
-        ppl = results.get(f"eval/perplexity{suffix}")
+        ppl = results.get(names.name(PERPLEXITY, suffix))
         if ppl is None:
             continue
         if solve.adaptive:
             setting = f"rtol={solve.rtol:g}"
-            note = f"mean NFE {results[f'eval/nfe{suffix}']:.1f}"
+            note = f"mean NFE {results[names.name(NFE, suffix)]:.1f}"
         else:
             setting, note = f"N={solve.num_steps}", "(the run's own N)" if not suffix else ""
-        gap_key = f"{GAP_PREFIX}{suffix[1:]}"
+        gap_key = names.gap_name(suffix)
         gap = f"{results[gap_key]:+.1%}" if suffix and gap_key in results else ""
         rows.append(f"  {solve.solver or '':<9} {setting:<11} {ppl:>9.1f} {gap:>7}  {note}"
                     .rstrip())
-        shown |= {f"eval/perplexity{suffix}", f"eval/nfe{suffix}", gap_key}
+        shown |= {names.name(PERPLEXITY, suffix), names.name(NFE, suffix), gap_key}
         if suffix:
-            shown.add(f"eval/loss{suffix}")
+            shown.add(names.name(LOSS, suffix))
     if not rows:
         return [], set()
-    tokens = results.get("eval/tokens")
+    tokens = results.get(names.name(TOKENS))
     over = f" over {tokens:,.0f} tokens" if tokens is not None else ""
     gapped = any(k.startswith(GAP_PREFIX) for k in results)
     gaps = " and its gap to the run's own N" if gapped else ""
@@ -300,6 +241,7 @@ class EvalSets(EvalHook):
                 ev._steps = base._steps  # one jitted step per setting, shared
                 self._evaluators[name] = ev
             for key, value in self._evaluators[name].evaluate(ctx.params, self.solves).items():
-                if not key.startswith(("eval/nfe", "eval/tokens")):
-                    results[f"eval/{name}/{key[len('eval/'):]}"] = value
+                figure = names.parse(key)
+                if figure.metric not in (NFE, TOKENS):
+                    results[names.name(figure.metric, figure.suffix, eval_set=name)] = value
         return results

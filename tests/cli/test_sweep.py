@@ -189,11 +189,15 @@ def test_report_names_a_run_without_eval(tmp_path, capsys):
     assert "is not a directory" in capsys.readouterr().err
 
 
-def test_report_uses_the_models_training_flops():
-    """FLOPs per token come from ode_lm.models.accounting and grow with the ODE steps."""
+def test_report_uses_the_models_training_flops(tmp_path):
+    """FLOPs per token come from ode_lm.models.accounting (at the run's N) and grow with the
+    ODE steps."""
     from ode_lm.models.accounting import flops_per_token
 
-    cfgs = [ModelConfig(d_model=64, num_heads=2, num_steps=n) for n in (1, 2, 4)]
-    values = [scaling_report.analytic_flops_per_token(c) for c in cfgs]
-    assert values[0] == flops_per_token(cfgs[0], 1).training
+    for steps in (2, 4, 8):
+        write_run(tmp_path / "s", 64, steps)
+    points = scaling_report.collect(scaling_report.find_runs([str(tmp_path / "s")]))
+    values = [p.flops_per_token for p in sorted(points, key=lambda p: p.num_steps)]
+    assert values[0] == flops_per_token(ModelConfig(d_model=64, num_heads=2, num_steps=2),
+                                        2).training
     assert 0 < values[0] < values[1] < values[2]

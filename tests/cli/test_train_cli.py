@@ -8,7 +8,6 @@ A persistent XLA compilation cache makes the later runs skip recompiling the sam
 from __future__ import annotations
 
 import json
-import random
 import signal
 import time
 from pathlib import Path
@@ -18,7 +17,9 @@ from train_cli_helpers import (
     K,
     assert_same_params,
     checkpoint_steps,
+    kill_and_resume,
     losses,
+    reference_run,
     run,
     snapshot,
     start,
@@ -36,9 +37,7 @@ def workdir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def reference(workdir) -> Path:
     """An uninterrupted 2K-step run."""
-    model_dir = workdir / "reference"
-    rc, out, err = run(workdir, write_gin(workdir, "reference", model_dir))
-    assert rc == 0, err[-3000:]
+    model_dir, out = reference_run(workdir)
     assert f"steps: {2 * K}" in out and "eval/perplexity" in out
     return model_dir
 
@@ -89,25 +88,7 @@ def test_old_run_without_data_config_loads_through_its_config_gin(reference, tmp
 
 
 def test_exact_resume_after_sigkill(workdir, reference):
-    model_dir = workdir / "killed"
-    gin_file = write_gin(workdir, "killed", model_dir)
-    rng = random.Random()
-    kill_after = rng.randint(1, K)  # wait for this step's checkpoint, then a random moment
-    proc = start(workdir, gin_file)
-    deadline = time.time() + 600
-    while max(checkpoint_steps(model_dir), default=0) < kill_after and proc.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, 0.1))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = checkpoint_steps(model_dir)
-    assert killed_at and killed_at[-1] < 2 * K, killed_at
-    rc, out, err = run(workdir, gin_file)
-    assert rc == 0, err[-3000:]
-    assert "resumed from step" in out
-    assert losses(model_dir) == losses(reference)
-    assert_same_params(reference, model_dir)
+    kill_and_resume(workdir, reference)
 
 
 def test_sigterm_saves_exits_zero_and_next_run_continues(workdir, reference):

@@ -5,9 +5,6 @@ a mixture in place of the single prepared source."""
 from __future__ import annotations
 
 import json
-import random
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -35,18 +32,9 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("train_cli_mixture")
 
 
-def write_gin(workdir: Path, name: str, model_dir: Path) -> Path:
-    path = cli.write_gin(workdir, name, model_dir)
-    path.write_text(path.read_text() + mixture_gin(workdir / "mixture"))  # later bindings win
-    return path
-
-
 @pytest.fixture(scope="module")
 def reference(workdir) -> Path:
-    model_dir = workdir / "reference"
-    rc, out, err = cli.run(workdir, write_gin(workdir, "reference", model_dir))
-    assert rc == 0, err[-3000:]
-    return model_dir
+    return cli.reference_run(workdir, mixture_gin(workdir / "mixture"))[0]
 
 
 def test_mixture_run_logs_tokens_and_evaluates_each_component(reference):
@@ -63,22 +51,5 @@ def test_mixture_run_logs_tokens_and_evaluates_each_component(reference):
 
 
 def test_exact_resume_after_sigkill_across_a_weight_change(workdir, reference):
-    model_dir = workdir / "killed"
-    gin_file = write_gin(workdir, "killed", model_dir)
-    rng = random.Random()
-    kill_after = rng.randint(1, cli.K)  # at or before the weight change at step K
-    proc = cli.start(workdir, gin_file)
-    deadline = time.time() + 600
-    while max(cli.checkpoint_steps(model_dir), default=0) < kill_after and proc.poll() is None:
-        assert time.time() < deadline
-        time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, 0.1))
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = cli.checkpoint_steps(model_dir)
-    assert killed_at and killed_at[-1] < 2 * cli.K, (killed_at, proc.stderr.read()[-3000:])
-    rc, out, err = cli.run(workdir, gin_file)
-    assert rc == 0, err[-3000:]
-    assert "resumed from step" in out
-    assert cli.losses(model_dir) == cli.losses(reference)
-    cli.assert_same_params(reference, model_dir)
+    """Killed at or before the weight change at step K, resumed across it."""
+    cli.kill_and_resume(workdir, reference, mixture_gin(workdir / "mixture"))

@@ -26,7 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ode_lm.data import DataConfig, make_train_iterator, prepare
 from ode_lm.data.pipeline import open_split
 from ode_lm.data.sources import SourceError, list_files
-from ode_lm.data.streaming import HostFiles
+from ode_lm.data.streaming_source import HostFiles
 
 REPO = "hf://datasets/fake/owt"
 REGISTRY = importlib.import_module("fsspec.registry")

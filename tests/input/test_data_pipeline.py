@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from data_helpers import assert_batches_equal, builtin_config, run_resume_script, take
 
+from ode_lm.data import host_streams as streams_lib
 from ode_lm.data import load_manifest, make_train_iterator, to_global_batch
 from ode_lm.data import packing as packing_lib
-from ode_lm.data import streams as streams_lib
 from ode_lm.data.pipeline import StreamOrder, open_split
 from ode_lm.partitioning import LOGICAL_AXIS_RULES
 

@@ -17,7 +17,7 @@ from data_helpers import (
 
 from ode_lm.data import DataConfig, make_train_iterator
 from ode_lm.data import packing as packing_lib
-from ode_lm.data.streaming import HostFiles
+from ode_lm.data.streaming_source import HostFiles
 
 
 def jsonl_dir(tmp_path, n_files=6, n_docs=300):

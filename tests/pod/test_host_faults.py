@@ -5,9 +5,6 @@ Also the watchdog's message logic against a fake coordination-service client.
 
 from __future__ import annotations
 
-import json
-import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +14,12 @@ from pathlib import Path
 import pytest
 from data_helpers import MICRO_MODEL_GIN
 from multihost_helpers import free_port, result_line, worker_env
+from train_cli_helpers import (
+    assert_same_params,
+    checkpoint_steps,
+    losses,
+    sigkill_after_checkpoint,
+)
 
 from ode_lm import distributed
 
@@ -177,38 +180,16 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
     return results
 
 
-def checkpoint_steps(model_dir: Path) -> list[int]:
-    d = model_dir / "checkpoints"
-    return sorted(int(p.name) for p in d.iterdir() if p.name.isdigit()) if d.exists() else []
-
-
-def losses(model_dir: Path) -> dict[int, float]:
-    """Per-step train loss; a step re-run after the kill overwrites its earlier row."""
-    rows = [json.loads(x) for x in (model_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_DISTRIBUTED, reason="jax.distributed runtime not available")
 def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_path):
-
-    from ode_lm.training.checkpoint import tree_equal
-    from ode_lm.training.saved_run import load_model
-
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     # the uninterrupted reference job runs alongside the job that loses a host
     ref_job = start_job(script, reference, free_port())
     job = start_job(script, killed, free_port())
-    rng = random.Random()
-    kill_after = rng.randint(1, STEPS // 2)  # this step's checkpoint exists, then a random moment
-    deadline = time.time() + 600
-    while max(checkpoint_steps(killed), default=0) < kill_after and job[1].poll() is None:
-        assert time.time() < deadline, "the job never reached its first checkpoints"
-        time.sleep(0.02)
-    time.sleep(rng.uniform(0.0, 0.3))
-    job[1].send_signal(signal.SIGKILL)
+    sigkill_after_checkpoint(job[1], killed, STEPS // 2, jitter=0.3)  # process 1 of the job
     killed_at = time.time()
     (rc0, out0, err0), _ = finish(job, timeout=120)
     waited = time.time() - killed_at
@@ -235,11 +216,7 @@ def test_sigkill_of_process_1_stops_process_0_then_relaunch_resumes_exactly(tmp_
     assert result_line(relaunch[0][1]) == result_line(ref_out), ref_out[-2000:]
     assert losses(killed) == losses(reference) and sorted(losses(killed)) == list(
         range(1, STEPS + 1))
-    params = [load_model(str(d)) for d in (reference, killed)]
-    assert params[0][1].step == params[1][1].step == STEPS
-    from flax import nnx
-
-    assert tree_equal(nnx.state(params[0][0], nnx.Param), nnx.state(params[1][0], nnx.Param))
+    assert_same_params(reference, killed, STEPS)
 
 
 # ------------------------------------------------- a failed run's stderr is its one line

@@ -187,7 +187,7 @@ def test_step_reader_reads_one_step_late_and_drains_before_saves():
 def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
     """No suffix at the model's own N (None or N itself, evaluated once), @steps=M for the
     others, @<solver>:rtol=<r> for an adaptive solver (once, whatever the N list)."""
-    from ode_lm.training import evaluation
+    from ode_lm.training import evaluation, metric_names
     from ode_lm.training.step import EvalResult
 
     calls = []
@@ -209,12 +209,13 @@ def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
     assert set(ev.sweep("params", (2, 8), "dopri5")) == {
         "eval/loss@dopri5:rtol=0.001", "eval/perplexity@dopri5:rtol=0.001",
         "eval/nfe@dopri5:rtol=0.001", "eval/tokens"}
-    assert evaluation.metric_suffix(3, 4, "adaptive", 1e-2) == "@adaptive:rtol=0.01"
+    assert metric_names.metric_suffix(3, 4, "adaptive", 1e-2) == "@adaptive:rtol=0.01"
 
 
 def test_metric_suffix_names_the_solver_unless_it_is_the_runs_own():
     """One function names every eval figure: plain only at the run's own solver and N."""
-    from ode_lm.training.evaluation import Evaluator, Solve, metric_suffix, parse_solve
+    from ode_lm.training.evaluation import Evaluator
+    from ode_lm.training.metric_names import Solve, metric_suffix, parse_solve
 
     def name(n, solver=None, rtol=None):
         return metric_suffix(n, 6, solver, rtol, model_solver="euler")
@@ -244,8 +245,35 @@ def test_metric_suffix_names_the_solver_unless_it_is_the_runs_own():
                         "@adaptive:rtol=0.001": Solve("adaptive", rtol=1e-3)}
 
 
+def test_metric_names_read_back_what_they_write():
+    """name -> (metric, setting, eval set) -> the same name, for every kind of figure."""
+    from ode_lm.training.metric_names import MetricName, Solve, is_metric, name, parse
+
+    cases = {
+        "eval/perplexity": MetricName("perplexity"),
+        "eval/loss@steps=4": MetricName("loss", Solve(None, 4)),
+        "eval/nfe@rk4:steps=8": MetricName("nfe", Solve("rk4", 8)),
+        "eval/perplexity@adaptive:rtol=0.001": MetricName("perplexity",
+                                                          Solve("adaptive", rtol=1e-3)),
+        "eval/tokens": MetricName("tokens"),
+        "eval/even/perplexity@steps=4": MetricName("perplexity", Solve(None, 4), "even"),
+        "eval/depth_gap/rk4:steps=8": MetricName("depth_gap", Solve("rk4", 8)),
+        "eval/depth_gap/steps=2": MetricName("depth_gap", Solve(None, 2)),
+    }
+    for key, want in cases.items():
+        assert parse(key) == want, key
+        assert str(want) == key == name(want.metric, want.suffix, want.eval_set)
+    assert parse("train/loss") is None and parse("step") is None
+    assert parse("lm_eval/tiny/acc") is None
+    assert is_metric("eval/nfe@steps=2", "nfe", "tokens")
+    assert not is_metric("eval/even/loss", "nfe") and not is_metric("train/loss", "loss")
+    with pytest.raises(ValueError, match="eval/loss@rk5:steps=2"):
+        parse("eval/loss@rk5:steps=2")
+
+
 def test_depth_table_shows_each_setting_once_and_leaves_the_rest():
-    from ode_lm.training.evaluation import Solve, depth_table
+    from ode_lm.training.evaluation import depth_table
+    from ode_lm.training.metric_names import Solve
 
     results = {"eval/loss": 4.6, "eval/perplexity": 100.5, "eval/nfe": 6.0,
                "eval/tokens": 20480.0, "eval/loss@steps=2": 7.8,

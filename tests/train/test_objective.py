@@ -160,6 +160,32 @@ def test_a_host_chosen_variant_equals_the_same_choice_made_in_one_program():
 
 
 @pytest.mark.slow
+def test_random_step_counts_are_seeded_and_drawn_from_the_set():
+    spec = _spec(tiny_config(random_grid_offset=True))
+    config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(1, 2, 4)),
+                                        obj.KineticEnergy(weight=0.1)), dropout=True)
+
+    def run(seed, steps=6):
+        fn = step_lib.jit_train_step(spec, optax.constant_schedule(1e-3), config, seed)
+        state, ns, losses = state_lib.init_state(spec, seed), [], []
+        with jax.set_mesh(spec.mesh):
+            for i in range(steps):
+                state, m = fn(state, _batch(i), i)
+                ns.append(int(m["num_steps"]))
+                losses.append(float(m["loss"]))
+                assert float(m["kinetic_energy"]) > 0
+        return ns, losses, state
+
+    ns, losses, state = run(0)
+    ns2, losses2, state2 = run(0)
+    assert ns == ns2 and losses == losses2  # deterministic given the seed
+    assert _close(state["params"], state2["params"], rtol=0.0)
+    assert set(ns) <= {1, 2, 4} and len(set(ns)) > 1, ns
+    ns3, _, _ = run(7, steps=12)
+    assert ns3[:6] != ns or len(set(ns3)) > 1
+
+
+@pytest.mark.slow
 def test_the_step_is_deterministic_given_the_seed_and_logs_each_terms_draws():
     spec = _spec(tiny_config(random_grid_offset=True))
     config = step_lib.StepConfig(terms=ANYTIME, dropout=True)

@@ -1,4 +1,4 @@
-"""Speed of the analyses on the cpu_small model: ``python -m ode_lm.analysis.speed``.
+"""Speed of the analyses on the cpu_small model: ``python -m ode_lm.commands.analysis_speed``.
 
 Targets (README): Lyapunov exponents of a 128-token text < 60 s, spectra at 101 t values
 < 30 s, on a 2-core CPU. Times are wall clock and include compilation (what a CLI user
@@ -15,11 +15,14 @@ import time
 import numpy as np
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None,
+         prog: str = "python -m ode_lm.commands.analysis_speed") -> int:
+    from ode_lm.models.config import SOLVERS
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     p.add_argument("--num_tokens", type=int, default=128)
     p.add_argument("--num_times", type=int, default=101)
-    p.add_argument("--solver", default="euler", choices=("euler", "midpoint", "rk4"))
+    p.add_argument("--solver", default="euler", choices=SOLVERS)
     args = p.parse_args(argv)
 
     from flax import nnx

@@ -35,6 +35,7 @@ from ode_lm.data import packing as packing_lib
 from ode_lm.data import sources as sources_lib
 from ode_lm.data import tokenizers as tok_lib
 from ode_lm.data.config import DataConfig
+from ode_lm.data.host_streams import host_rows
 from ode_lm.data.shuffle import feistel_permute
 
 _WORKER_TOK: dict[tuple[str, str], tok_lib.Tokenizer] = {}
@@ -212,10 +213,7 @@ def make_streaming_iterator(cfg: DataConfig, *, process_index: int, process_coun
     if sources_lib.is_builtin(cfg.source) or cfg.source.startswith("tfds:"):
         raise ValueError(f"streaming mode reads files; source {cfg.source!r} is not a file "
                          "source (prepare it instead)")
-    if cfg.global_batch_size % process_count:
-        raise ValueError(f"DataConfig.global_batch_size={cfg.global_batch_size} is not divisible "
-                         f"by process_count={process_count}")
-    rows = cfg.global_batch_size // process_count
+    rows = host_rows(cfg.global_batch_size, process_count)
     paths = sources_lib.list_files(cfg.source)
     if all(sources_lib.file_size(p) == 0 for p in paths):
         raise sources_lib.SourceError(f"streaming: source {cfg.source!r}: no documents (all "

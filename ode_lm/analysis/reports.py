@@ -1,12 +1,12 @@
-"""The three analyses as commands: model + inputs → files in an output dir + summary lines.
+"""The three analyses as reports: a model and its inputs → files in an output dir and the
+summary lines that describe them.
 
-``ode-lm analyze`` parses flags, restores the run's model and tokenizer, and calls these;
-tests call them directly on a model built in the test.
+``ode-lm analyze`` (``commands/analyze.py``) parses flags, restores the run's model and
+tokenizer, and calls these; tests call them directly on a model built in the test.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 from collections.abc import Sequence
 
@@ -15,57 +15,6 @@ import numpy as np
 from ode_lm.analysis import model_access, plots, report_html
 from ode_lm.analysis.spectra import Spectra, random_hidden_units, summary_lines
 from ode_lm.analysis.trajectory import states_at, trajectory
-
-# ----------------------------------------------------------------------------- the run's inputs
-
-
-def resolve_tokenizer(model_dir: str, data_dir: str | None = None,
-                      tokenizer: str | None = None):
-    """The run's tokenizer: --tokenizer, else the manifest of --data_dir or of the run's data
-    dir, else the run's DataConfig.tokenizer (``training.run_dir``)."""
-    from ode_lm.data.prepare import load_manifest
-    from ode_lm.data.tokenizers import get_tokenizer
-    from ode_lm.gin_setup import run_dir
-
-    run_data = run_dir(model_dir).data_config() if tokenizer is None or data_dir is None else None
-    if data_dir is None and run_data is not None:
-        data_dir = run_data.data_dir
-    if tokenizer is None and data_dir is not None:
-        tokenizer = load_manifest(data_dir)["tokenizer"]["spec"]
-    if tokenizer is None and run_data is not None:
-        tokenizer = run_data.tokenizer
-    if tokenizer is None:
-        raise ValueError(f"--model_dir={model_dir}: no data_config.json naming the data; pass "
-                         "--data_dir=DIR (a prepared data dir) or --tokenizer=SPEC or --tokens")
-    return get_tokenizer(tokenizer, data_dir)
-
-
-def read_tokens(tok, text: str | None, text_file: str | None,
-                tokens: str | None) -> tuple[np.ndarray, list[str]]:
-    """Token ids ``[T]`` and the text of each token from --text / --text_file / --tokens."""
-    given = [x is not None for x in (text, text_file, tokens)]
-    if sum(given) != 1:
-        raise ValueError("give exactly one of --text, --text_file, --tokens")
-    if tokens is not None:
-        try:
-            ids = np.array([int(x) for x in tokens.split(",") if x.strip()], np.int64)
-        except ValueError:
-            raise ValueError(f"--tokens={tokens!r}: expected comma-separated integers") from None
-    else:
-        if text_file is not None:
-            if not os.path.isfile(text_file):
-                raise FileNotFoundError(f"--text_file={text_file}: no such file")
-            text = pathlib.Path(text_file).read_text(encoding="utf-8")
-        if not text:
-            raise ValueError("the input text is empty")
-        if tok is None:
-            raise ValueError("--text needs a tokenizer (--data_dir / --tokenizer)")
-        ids = np.asarray(tok.encode(text), np.int64)
-    pieces = [tok.decode([int(i)]) if tok is not None else f"<{int(i)}>" for i in ids]
-    return ids, pieces
-
-
-# ----------------------------------------------------------------------------- commands
 
 
 def run_spectral(model, out_dir, *, times: Sequence[float] | None = None,

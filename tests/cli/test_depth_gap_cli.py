@@ -1,0 +1,65 @@
+"""``ode-lm depth-gap``: the depth gap of runs over training, read from their metrics files,
+each run labelled by its own solver and N (``model_config.json``), never by its NFE."""
+
+from __future__ import annotations
+
+import json
+
+from ode_lm.commands import depth_gap as tool
+from ode_lm.models.config import ModelConfig
+from ode_lm.training.run_dir import RunDir
+
+
+def _write_run(path, rows, **model) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    RunDir(str(path)).write_model_config(ModelConfig(**model))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_depth_gap_command_tables_and_plots_a_runs_evals(tmp_path, capsys):
+    """The gap of each setting to the run's own N, the last eval by default or the one
+    named, and a PNG of gap versus step."""
+    rows = [{"step": 50, "train/loss": 5.0, "train/tokens_per_second": 1000.0}]
+    for step, own in ((100, 200.0), (200, 100.0)):
+        rows.append({"step": step, "eval/perplexity": own, "eval/nfe": 6.0,
+                     "eval/perplexity@steps=3": own * 1.1, "eval/perplexity@steps=2": 2500.0,
+                     "eval/perplexity@rk4:steps=8": own * 1.03,
+                     "eval/perplexity@adaptive:rtol=0.001": own * 1.05,
+                     "eval/nfe@adaptive:rtol=0.001": 44.0})
+    run = _write_run(tmp_path, rows, num_steps=6, solver="euler")
+    text = tool.table([("r", run, None), ("r100", run, 100)])
+    head, _, last, first = text.splitlines()
+    assert head.startswith("| recipe | step | Euler N=1 | Euler N=2 |")
+    assert last.startswith("| r | 200 | – | 2,500 | 110.0 (+10.0 %) | – | **100.0** |")
+    assert last.endswith("| 103.0 (+3.0 %) | 105.0 (+5.0 %, 44) | 1.00k |")
+    assert first.startswith("| r100 | 100 | – | 2,500 | 220.0 (+10.0 %) |")
+    tool.plot([("r", run, None)], str(tmp_path / "gap.png"))
+    assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
+    assert tool.main(["table", f"r={tmp_path}@7"]) == 1  # no such eval: one line, exit 1
+    err = capsys.readouterr().err.strip()
+    assert err == f"ode-lm depth-gap: error: {tmp_path}: no eval at step 7", err
+    assert tool.main(["table", f"r={tmp_path / 'nope'}"]) == 1
+    assert "metrics.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_depth_gap_labels_a_non_euler_run_by_its_own_solver_and_n(tmp_path):
+    """An RK4 run at N=2 logs eval/nfe = 8: its own N is 2 (bold), its '@steps=M' figures
+    are RK4 at M, and RK4 N=8 is its own solver at 8; beside an Euler run the N columns
+    name no solver and each recipe names its own."""
+    rk4 = _write_run(tmp_path / "rk4", [
+        {"step": 10, "eval/perplexity": 50.0, "eval/nfe": 8.0,
+         "eval/perplexity@steps=8": 49.0, "eval/perplexity@steps=1": 60.0,
+         "eval/perplexity@euler:steps=2": 70.0}], num_steps=2, solver="rk4")
+    head, _, row = tool.table([("r", rk4, None)]).splitlines()
+    assert head.startswith("| recipe | step | RK4 N=1 | RK4 N=2 | RK4 N=3 |")
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[:5] == ["r", "10", "60.0 (+20.0 %)", "**50.0**", "–"]
+    assert cells[7] == "49.0 (-2.0 %)"  # N=8: RK4 at 8, never read as the own N
+    assert cells[-3] == "49.0 (-2.0 %)"  # the RK4 N=8 column: the same figure
+    euler = _write_run(tmp_path / "euler", [{"step": 10, "eval/perplexity": 40.0}],
+                       num_steps=3, solver="euler")
+    head, _, first, second = tool.table([("r", rk4, None), ("e", euler, None)]).splitlines()
+    assert head.startswith("| recipe | step | N=1 | N=2 |")
+    assert first.startswith("| r (RK4) | 10 |") and second.startswith("| e (Euler) | 10 |")
+    assert "**40.0**" in second.split("|")[5]  # Euler N=3, its own
