@@ -185,7 +185,7 @@ def make_objective_grads(spec: StateSpec, config: StepConfig = StepConfig(),
         # training FLOPs per token of what it ran: the main solve at its N and solver and
         # every further solve a term differentiated (MFU counts them)
         metrics["num_steps"] = _steps_metric(spec, params, solve.num_steps, nfe)
-        metrics["flops_per_token"] = _flops_per_token(spec, params, batch, k, solve, chosen)
+        metrics["flops_per_token"] = _step_flops(spec, params, batch, k, solve, chosen)
         return loss, metrics, grads
 
     return objective_grads
@@ -261,26 +261,22 @@ def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, nfe: jax.Array) 
     return jnp.asarray(nfe, jnp.float32)
 
 
-def _flops_per_token(spec, params, batch, k, solve, chosen) -> jax.Array:
-    """Training FLOPs per token of this step (``models.accounting``, the one count); NaN for
-    a model without a ``ModelConfig``."""
-    from ode_lm.models.accounting import flops_per_token
+def _step_flops(spec, params, batch, k, solve, chosen) -> jax.Array:
+    """Training FLOPs per token of what this step ran (``models.accounting``, the one count):
+    the main solve, and each further solve a term ran and differentiated (its blocks, weight
+    generation and head); NaN for a model without a ``ModelConfig``."""
+    from ode_lm.models import accounting
 
     cfg = getattr(spec.model(params), "config", None)
     if cfg is None or not hasattr(cfg, "architecture"):
         return jnp.float32(jnp.nan)
     seq_len = batch["inputs"].shape[1]
-    tokens = batch["inputs"].shape[0] * seq_len // k
-
-    def count(n, solver):
-        return flops_per_token(cfg, n, solver=solver, seq_len=seq_len,
-                               tokens_per_batch=tokens).training
-
-    total = count(solve.num_steps, solve.solver)
+    shape = {"seq_len": seq_len, "tokens_per_batch": batch["inputs"].shape[0] * seq_len // k}
+    total = accounting.flops_per_token(cfg, solve.num_steps, solver=solve.solver,
+                                       **shape).training
     for term, choice in chosen:
         for n, solver in term.extra_forwards(choice):
-            # a further solve: its blocks and weight generation (not the shared embeddings)
-            total = total + count(n, solver) - count(0, solver)
+            total = total + accounting.flops_per_token(cfg, n, solver=solver, **shape).training
     return jnp.asarray(total, jnp.float32)
 
 
