@@ -34,7 +34,7 @@ from flax import nnx
 from ode_lm.models import solvers
 from ode_lm.models.common import compute_dtype
 from ode_lm.models.config import ModelConfig
-from ode_lm.models.vector_field import KVCache, parallel_residual
+from ode_lm.models.vector_field import KVCache, VectorField
 
 
 def check_num_steps(num_steps: int | None, flag: str = "--num_steps") -> None:
@@ -72,16 +72,20 @@ def init_cache(config: ModelConfig, num_steps: int, stages: int, batch: int, max
 
 
 def solve_cached(config, weights, dt, solver, x, positions, index, cache, key_valid):
-    """One pass of T_new tokens through every solver step, updating each stage's cache slot."""
+    """One pass of T_new tokens through every solver step, updating each stage's cache slot.
+
+    Each stage evaluates the model's one vector field (``VectorField.with_cache``) at its
+    pre-generated weights."""
+    field = VectorField(config, positions)
 
     def step(x, xs):
         w, ck, cv = xs  # w: [S, ...]; ck, cv: [S, B, T_max, H, Dh]
         cks, cvs = [], []
 
-        def f(state, _t, s):  # stage s: its pre-generated weights and its cache slot
+        def f(state, t, s):  # stage s: its weights (W(t) already: t unused) and cache slot
             ws = jax.tree.map(lambda a: a[s], w)
-            out, kv = parallel_residual(config, ws, state, positions, None,
-                                        cache=KVCache(ck[s], cv[s], index, key_valid))
+            out, kv = field.with_cache(state, t, KVCache(ck[s], cv[s], index, key_valid),
+                                       weights=ws)
             cks.append(kv.k)
             cvs.append(kv.v)
             return out

@@ -1,12 +1,14 @@
 """DiffEqFormer language model: embed → ODE solve of dx/dt = f(x, t) on [0, 1] → norm → head.
 
-The number of solver steps N is a per-call setting, not a parameter count. Pieces exposed for
-analysis (Jacobians, trajectories, spectra) and for export:
+The number of solver steps N is a per-call setting, not a parameter count. f is one
+``VectorField`` (vector_field.py), which every piece below evaluates:
 - ``embed(tokens, positions)`` → x₀ (float32 [B, T, E]);
 - ``vector_field(x, t, positions, segment_ids)`` → f(x, t), a pure function of x and t;
+- ``solve_fixed(x0, ...)`` → (x_N, stats): N steps of a Runge–Kutta solver (training, eval);
+- ``solve_adaptive(x0, ...)`` → (x(1), stats): an embedded pair with step-size control;
+- ``trajectory(tokens, ...)`` → [N+1, B, T, E] fixed-grid solver states;
 - ``logits(x)`` → float32 [B, T, V] (final norm + head);
-- ``weights_at(t)`` → the static block weights at depth t (see vector_field.py for layout);
-- ``trajectory(tokens, ...)`` → [N+1, B, T, E] solver states.
+- ``weights_at(t)`` → the static block weights at depth t (see vector_field.py for layout).
 
 The ODE state x stays float32 (the solver accumulates dt·f into it); the branches compute in
 ``config.dtype``. Randomness (dropout, random grid offset) is drawn from ``rngs.dropout()``.
@@ -14,15 +16,19 @@ The ODE state x stays float32 (the solver accumulates dt·f into it); the branch
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from ode_lm.models import solvers
-from ode_lm.models.common import attention_mask, default_inputs, remat_policy
-from ode_lm.models.config import ModelConfig
+from ode_lm.models.common import default_inputs, remat_policy
+from ode_lm.models.config import ADAPTIVE_SOLVERS, ModelConfig
 from ode_lm.models.embeddings import LanguageModel
-from ode_lm.models.vector_field import BlockWeights, TemporalBlock, parallel_residual
+from ode_lm.models.vector_field import BlockWeights, TemporalBlock, VectorField
+
+Stats = dict[str, jax.Array]
 
 
 class DiffEqFormer(LanguageModel):
@@ -33,9 +39,14 @@ class DiffEqFormer(LanguageModel):
     def build_body(self, config: ModelConfig, rngs: nnx.Rngs) -> None:
         self.block = TemporalBlock(config, rngs)
 
-    # ---- pieces (embed and logits: LanguageModel) ---------------------------------------------
+    # ---- the vector field (embed and logits: LanguageModel) -----------------------------------
     def weights_at(self, t: jax.Array | float) -> BlockWeights:
         return self.block.weights(t)
+
+    def vector_field_of(self, positions: jax.Array,
+                        segment_ids: jax.Array | None = None) -> VectorField:
+        """f(·, t) for one batch, W(t) from the time embedding: what every solve evaluates."""
+        return VectorField(self.config, positions, segment_ids, weights_at=self.block.weights)
 
     def vector_field(
         self,
@@ -49,12 +60,88 @@ class DiffEqFormer(LanguageModel):
     ) -> jax.Array:
         """f(x, t) = Attn_t(Norm1_t(x)) + MLP_t(Norm2_t(x)), float32 [B, T, E]."""
         positions, segment_ids = default_inputs(x[..., 0], positions, segment_ids)
-        w = self.block.weights(t) if weights is None else weights
-        return parallel_residual(self.config, w, x, positions, attention_mask(segment_ids),
-                                 dropout_key, segment_ids=segment_ids)
+        return self.vector_field_of(positions, segment_ids)(x, t, weights=weights,
+                                                            dropout_key=dropout_key)
 
-    # ---- the solve ----------------------------------------------------------------------------
-    def solve(
+    # ---- the solves ---------------------------------------------------------------------------
+    def solve_fixed(
+        self,
+        x0: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        num_steps: int | jax.Array | None = None,
+        solver: str | None = None,
+        max_steps: int | None = None,
+        rngs: nnx.Rngs | None = None,
+    ) -> tuple[jax.Array, Stats]:
+        """(x_N, {"nfe", "kinetic_energy"}) of N steps x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_i).
+
+        ``num_steps`` is an int, or a traced int32 with a static ``max_steps`` bound (random
+        step counts in training: one compiled program for every N). ``rngs`` (training) draw
+        the random grid offset and dropout; None is the deterministic solve. The kinetic
+        energy ∫ mean(f²) dt (Finlay et al. 2020) is integrated beside x by the same solver at
+        no extra evaluation, kept per sequence ([B], sharded like the batch, so the step holds
+        no cross-device reduction) and averaged over the batch after the solve.
+        """
+        grid, solver = self._fixed_grid(num_steps, solver, max_steps)
+        f, step_inputs, offset = self._grid_field(positions, segment_ids, grid, solver, rngs)
+
+        def f_and_energy(state, t, *inputs):
+            dx = f(state[0], t, *inputs)
+            return dx, jnp.mean(jnp.square(dx), axis=(1, 2))
+
+        x, energy = solvers.solve_on_grid(
+            f_and_energy, (x0, jnp.zeros(x0.shape[:1], jnp.float32)), grid, solver=solver,
+            time_offset=offset, step_inputs=step_inputs, remat=remat_policy(self.config.remat))
+        return x, {"nfe": _fixed_nfe(grid, solver), "kinetic_energy": jnp.mean(energy)}
+
+    def solve_adaptive(
+        self,
+        x0: jax.Array,
+        positions: jax.Array,
+        segment_ids: jax.Array,
+        *,
+        solver: str | None = None,
+        rtol: float | None = None,
+        atol: float | None = None,
+    ) -> tuple[jax.Array, Stats]:
+        """(x(1), {"nfe", "capped"}) by an embedded Runge–Kutta pair with step-size control.
+
+        W(t) is generated at whatever t the controller picks; deterministic, forward only.
+        ``solver``: the config's when it is adaptive, else ``'adaptive'`` (bosh3);
+        ``rtol``/``atol`` default to the config's.
+        """
+        cfg = self.config
+        if solver is None:
+            solver = cfg.solver if solvers.is_adaptive(cfg.solver) else "adaptive"
+        if not solvers.is_adaptive(solver):
+            raise ValueError(f"solve_adaptive: solver={solver!r}: expected one of "
+                             f"{ADAPTIVE_SOLVERS}")
+        x, st = solvers.solve_adaptive(
+            self.vector_field_of(positions, segment_ids), x0, solver=solver,
+            rtol=cfg.rtol if rtol is None else rtol, atol=cfg.atol if atol is None else atol)
+        return x, {"nfe": st.nfe, "capped": st.capped}
+
+    def trajectory(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        *,
+        num_steps: int | None = None,
+        solver: str | None = None,
+    ) -> jax.Array:
+        """Fixed-grid solver states [N+1, B, T, E] (x₀ first), deterministic."""
+        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
+        grid, solver = self._fixed_grid(num_steps, solver, None)
+        f, step_inputs, _ = self._grid_field(positions, segment_ids, grid, solver, None)
+        _, states = solvers.solve_on_grid(
+            f, self.embeddings(tokens, positions), grid, solver=solver, step_inputs=step_inputs,
+            return_trajectory=True, remat=remat_policy(self.config.remat))
+        return states
+
+    def body(
         self,
         x0: jax.Array,
         positions: jax.Array,
@@ -64,67 +151,58 @@ class DiffEqFormer(LanguageModel):
         solver: str | None = None,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
-        return_trajectory: bool = False,
+        return_stats: bool = False,
         max_steps: int | None = None,
         rtol: float | None = None,
         atol: float | None = None,
-        return_stats: bool = False,
     ):
-        """x_N (and the trajectory, and/or solver stats) of the ODE started at x0.
-
-        Fixed grid (``_solve_fixed``): ``num_steps`` is an int, or a traced int32 with a
-        static ``max_steps`` bound (random step counts in training: one compiled program for
-        every N). Adaptive (``solver`` in ADAPTIVE_SOLVERS, ``_solve_adaptive``): W(t) is
-        generated at whatever t the controller picks; ``rtol``/``atol`` default to the
-        config's. ``return_stats`` adds ``{"nfe": vector-field evaluations}`` and, on the
-        fixed grid without a trajectory, ``"kinetic_energy": ∫ mean(f²) dt`` (adaptive:
-        ``"capped"``) to the result.
-        """
-        cfg = self.config
-        solver = cfg.solver if solver is None else solver
+        """``__call__``'s ODE solve from x₀: ``solve_adaptive`` for an adaptive solver (which
+        ignores the step options), else ``solve_fixed`` (which ignores rtol/atol), with the
+        training randomness when not ``deterministic``."""
+        solver = self.config.solver if solver is None else solver
         solvers.check_solver(solver, adaptive_ok=True)
         if solvers.is_adaptive(solver):
-            if return_trajectory:
-                raise ValueError(f"DiffEqFormer: solver={solver!r} has no fixed grid to return "
-                                 "as a trajectory; use a fixed-grid solver")
-            x, stats = self._solve_adaptive(x0, positions, segment_ids, solver,
-                                            cfg.rtol if rtol is None else rtol,
-                                            cfg.atol if atol is None else atol)
-            return (x, stats) if return_stats else x
-        grid = solvers.FixedGrid(cfg.num_steps if num_steps is None else num_steps, max_steps)
-        if not deterministic and (cfg.dropout_rate > 0 or cfg.random_grid_offset) and rngs is None:
+            x, stats = self.solve_adaptive(x0, positions, segment_ids, solver=solver,
+                                           rtol=rtol, atol=atol)
+        else:
+            x, stats = self.solve_fixed(x0, positions, segment_ids, num_steps=num_steps,
+                                        solver=solver, max_steps=max_steps,
+                                        rngs=self._training_rngs(deterministic, rngs))
+        return (x, stats) if return_stats else x
+
+    # ---- the fixed grid -----------------------------------------------------------------------
+    def _fixed_grid(self, num_steps: int | jax.Array | None, solver: str | None,
+                    max_steps: int | None) -> tuple[solvers.FixedGrid, str]:
+        cfg = self.config
+        solver = cfg.solver if solver is None else solver
+        if solvers.is_adaptive(solver):
+            raise ValueError(f"DiffEqFormer: solver={solver!r} is adaptive: it has no fixed "
+                             "grid (use solve_adaptive, or a fixed-grid solver)")
+        solvers.check_solver(solver)
+        return solvers.FixedGrid(cfg.num_steps if num_steps is None else num_steps,
+                                 max_steps), solver
+
+    def _training_rngs(self, deterministic: bool, rngs: nnx.Rngs | None) -> nnx.Rngs | None:
+        """The rngs of a training solve (None when deterministic), checked present."""
+        if deterministic:
+            return None
+        cfg = self.config
+        if rngs is None and (cfg.dropout_rate > 0 or cfg.random_grid_offset):
             raise ValueError("DiffEqFormer: deterministic=False with dropout_rate > 0 or "
                              "random_grid_offset needs rngs=nnx.Rngs(dropout=...)")
-        out, stats = self._solve_fixed(x0, positions, segment_ids, grid, solver,
-                                       rngs=None if deterministic else rngs,
-                                       return_trajectory=return_trajectory,
-                                       kinetic=return_stats and not return_trajectory)
-        return (out, stats) if return_stats else out
+        return rngs
 
-    def _solve_adaptive(self, x0, positions, segment_ids, solver: str, rtol: float,
-                        atol: float) -> tuple[jax.Array, dict]:
-        """dx/dt = f(x, t) with W(t) generated at the controller's t (no randomness)."""
-        mask = attention_mask(segment_ids)
-
-        def field(x, t):
-            return parallel_residual(self.config, self.block.weights(t), x, positions, mask,
-                                     None, segment_ids=segment_ids)
-
-        x, st = solvers.solve_adaptive(field, x0, solver=solver, rtol=rtol, atol=atol)
-        return x, {"nfe": st.nfe, "capped": st.capped}
-
-    def _solve_fixed(self, x0, positions, segment_ids, grid: solvers.FixedGrid, solver: str,
-                     *, rngs: nnx.Rngs | None, return_trajectory: bool, kinetic: bool):
-        """x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_k + c_i·dt + δ) on ``grid`` (RK stages X_i).
+    def _grid_field(self, positions: jax.Array, segment_ids: jax.Array,
+                    grid: solvers.FixedGrid, solver: str, rngs: nnx.Rngs | None,
+                    ) -> tuple[Callable, dict | None, jax.Array | float]:
+        """(f(x, t[, step_input, stage]), step inputs, time offset): the vector field as the
+        grid scan calls it, fed per step with the precomputed W(t_k) and dropout keys.
 
         Training randomness (``rngs`` given): δ, the random grid offset (one draw per solve,
-        see ``_grid_offset``), and per-step dropout keys. With ``kinetic`` the state is
-        augmented (Finlay et al. 2020) by e(t) = ∫ mean(f²) dt, integrated by the same solver
-        at no extra evaluation; it is kept per sequence ([B], sharded like the batch) so the
-        step holds no cross-device reduction, and averaged over the batch after the solve.
+        see ``_grid_offset``), added to every evaluation time, and per-step dropout keys.
         """
         cfg = self.config
-        mask = attention_mask(segment_ids)
+        field = self.vector_field_of(positions, segment_ids)
         needs_dropout = rngs is not None and cfg.dropout_rate > 0
         needs_offset = rngs is not None and cfg.random_grid_offset
         offset = self._grid_offset(grid, solver, rngs) if needs_offset else 0.0
@@ -138,25 +216,11 @@ class DiffEqFormer(LanguageModel):
             step_inputs["key"] = jax.random.split(rngs.dropout(), grid.length)
 
         def f(x, t, inp=None, stage=0):
-            w = self.block.weights(t) if "w" not in step_inputs else jax.tree.map(
-                lambda a: a[stage], inp["w"])
+            w = jax.tree.map(lambda a: a[stage], inp["w"]) if "w" in step_inputs else None
             key = jax.random.fold_in(inp["key"], stage) if needs_dropout else None
-            return parallel_residual(cfg, w, x, positions, mask, key, segment_ids=segment_ids)
+            return field(x, t, weights=w, dropout_key=key)
 
-        def f_and_energy(s, t, *a):
-            d = f(s[0], t, *a)
-            return d, jnp.mean(jnp.square(d), axis=(1, 2))
-
-        out = solvers.solve_on_grid(
-            f_and_energy if kinetic else f,
-            (x0, jnp.zeros(x0.shape[:1], jnp.float32)) if kinetic else x0, grid,
-            solver=solver, time_offset=offset, step_inputs=step_inputs or None,
-            return_trajectory=return_trajectory, remat=remat_policy(cfg.remat))
-        stats = {"nfe": jnp.asarray(grid.num_steps * solvers.num_stages(solver), jnp.int32)}
-        if kinetic:
-            out, energy = out
-            stats["kinetic_energy"] = jnp.mean(energy)
-        return out, stats
+        return f, step_inputs or None, offset
 
     @staticmethod
     def _grid_offset(grid: solvers.FixedGrid, solver: str, rngs: nnx.Rngs) -> jax.Array:
@@ -165,25 +229,10 @@ class DiffEqFormer(LanguageModel):
         u = jax.random.uniform(rngs.dropout(), (), minval=0.0, maxval=grid.dt)
         return -u if solver == "euler" else u - grid.dt / 2
 
-    def body(self, x0: jax.Array, positions: jax.Array, segment_ids: jax.Array, **options):
-        """The ODE solve from x₀ (``LanguageModel.__call__``'s body; ``solve``'s options)."""
-        return self.solve(x0, positions, segment_ids, **options)
 
-    def trajectory(
-        self,
-        tokens: jax.Array,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        *,
-        num_steps: int | None = None,
-        solver: str | None = None,
-    ) -> jax.Array:
-        """Solver states [N+1, B, T, E] (x₀ first), deterministic."""
-        positions, segment_ids = default_inputs(tokens, positions, segment_ids)
-        x0 = self.embeddings(tokens, positions)
-        _, traj = self.solve(x0, positions, segment_ids, num_steps=num_steps, solver=solver,
-                             return_trajectory=True)
-        return traj
+def _fixed_nfe(grid: solvers.FixedGrid, solver: str) -> jax.Array:
+    """Vector-field evaluations of a fixed-grid solve: N · stages."""
+    return jnp.asarray(grid.num_steps * solvers.num_stages(solver), jnp.int32)
 
 
 def precompute_weights(config: ModelConfig, num_steps: int, solver: str) -> bool:

@@ -4,7 +4,8 @@ A block is described by a flat dict of *static* weights (``BlockWeights``); the 
 and logical axes per flavour come from ``weight_spec``. ``TemporalBlock.weights(t)`` generates
 that dict for a depth t; ``parallel_residual`` / ``attention_branch`` / ``mlp_branch`` apply
 it. The discrete baselines and the materialised model hold the same dict stacked over layers,
-so every model runs exactly the same block code.
+so every model runs exactly the same block code. ``VectorField`` is f(x, t) itself: W(t)
+applied to one batch, the one definition every solve, generation and the analysis evaluate.
 
 Weight layout (E = d_model, H = heads, Dh = head_dim, F = mlp width):
   norm1_scale, norm2_scale  [E]            norm1_bias, norm2_bias [E]   (gpt2, neox)
@@ -18,6 +19,7 @@ Weight layout (E = d_model, H = heads, Dh = head_dim, F = mlp width):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -32,6 +34,7 @@ from ode_lm.models.common import (
     apply_rotary,
     attention,
     attention_impl,
+    attention_mask,
     compute_dtype,
     constrain,
     rotary_dim,
@@ -217,6 +220,54 @@ def sequential_residual(config: ModelConfig, w: BlockWeights, x, positions, mask
     m = mlp_branch(config, w, block_norm(config, w, "norm2", x))
     return constrain(x + _dropout(m, config.dropout_rate, k2).astype(jnp.float32),
                      BATCH_LENGTH_EMBED)
+
+
+# ---------------------------------------------------------------------------------------------
+# The vector field f(x, t) of one batch.
+# ---------------------------------------------------------------------------------------------
+
+
+class VectorField:
+    """f(x, t) = Attn_t(Norm1_t(x)) + MLP_t(Norm2_t(x)) for one batch of token sequences.
+
+    Written once so that the fixed-grid solve, the adaptive solve, KV-cached generation and
+    the analysis (``DiffEqFormer.vector_field``) cannot drift apart. W(t) comes from
+    ``weights_at(t)`` (time embedding + hypernetworks) unless the caller passes the weights
+    it already generated for t (the fixed grid's precomputed W(t_k), generation's stages).
+    ``segment_ids`` (packed documents; default one segment) give the causal attention mask.
+    """
+
+    def __init__(self, config: ModelConfig, positions: jax.Array,
+                 segment_ids: jax.Array | None = None,
+                 weights_at: Callable[[jax.Array | float], BlockWeights] | None = None):
+        self.config = config
+        self.positions = positions
+        self.segment_ids = (jnp.ones(positions.shape, jnp.int32) if segment_ids is None
+                            else segment_ids)
+        self.mask = attention_mask(self.segment_ids)  # once per solve, not per evaluation
+        self.weights_at = weights_at
+
+    def weights(self, t: jax.Array | float, weights: BlockWeights | None = None) -> BlockWeights:
+        """W(t): ``weights`` when given, else generated at t."""
+        if weights is not None:
+            return weights
+        if self.weights_at is None:
+            raise ValueError("VectorField without weights_at: pass the weights for t")
+        return self.weights_at(t)
+
+    def __call__(self, x: jax.Array, t: jax.Array | float, *,
+                 weights: BlockWeights | None = None,
+                 dropout_key: jax.Array | None = None) -> jax.Array:
+        """f(x, t), float32 [B, T, E]; ``dropout_key`` only in training."""
+        return parallel_residual(self.config, self.weights(t, weights), x, self.positions,
+                                 self.mask, dropout_key, segment_ids=self.segment_ids)
+
+    def with_cache(self, x: jax.Array, t: jax.Array | float, cache: KVCache, *,
+                   weights: BlockWeights | None = None) -> tuple[jax.Array, KVCache]:
+        """(f(x, t), cache) for new tokens whose attention also sees the earlier tokens'
+        keys/values in ``cache`` (generation); theirs are written into the returned cache."""
+        return parallel_residual(self.config, self.weights(t, weights), x, self.positions,
+                                 None, cache=cache)
 
 
 # ---------------------------------------------------------------------------------------------
