@@ -63,10 +63,11 @@ _TRAIN_FIELDS = dict(
     kinetic_energy=clu_metrics.Average.from_output("kinetic_energy"),
 )
 TRAIN_METRIC_KEYS = tuple(_TRAIN_FIELDS)
-# Averaged over the steps that output them: the objective's terms (a term that ran on a
-# share of the steps reports on those), and the FLOPs per token of what each step ran.
-OPTIONAL_TRAIN_METRIC_KEYS = ("distill_loss", "distill_num_steps", "solver_share",
-                              "kinetic_energy_weight", "flops_per_token")
+# Every other output of a step is averaged over the steps that output it: the objective's
+# terms' metrics (a term that ran on a share of the steps reports on those; a term of the
+# user's logs its own), and the FLOPs per token of what each step ran. These two are read
+# elsewhere (the NaN streak; the tokens count) and not averaged.
+NOT_AVERAGED = ("bad_streak", "tokens")
 
 
 @functools.cache
@@ -85,8 +86,8 @@ def accumulate(window: dict | None, outputs: Mapping[str, Any]) -> dict:
     window = dict(window or {})
     parts = {"": _train_metrics().single_from_model_output(
         **{k: np.asarray(outputs[k], np.float32) for k in TRAIN_METRIC_KEYS})}
-    for k in OPTIONAL_TRAIN_METRIC_KEYS:
-        if k in outputs:
+    for k in outputs:
+        if k not in TRAIN_METRIC_KEYS and k not in NOT_AVERAGED:
             parts[k] = _optional_metric(k).single_from_model_output(
                 **{k: np.asarray(outputs[k], np.float32)})
     for name, update in parts.items():

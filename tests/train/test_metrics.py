@@ -30,7 +30,7 @@ def test_clu_window_average_and_last_value():
         w = metrics.accumulate(w, dict(loss=loss, grad_norm=1.0, param_norm=3.0,
                                        learning_rate=lr, skipped_steps=0, num_steps=n,
                                        kinetic_energy=loss / 10))
-    values = w.compute()
+    values = metrics.compute(w)
     assert float(values["loss"]) == pytest.approx(3.0)
     assert float(values["learning_rate"]) == pytest.approx(0.2)
     assert float(values["num_steps"]) == pytest.approx(6.0)  # mean N of the window

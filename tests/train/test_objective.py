@@ -326,6 +326,11 @@ def test_window_averages_a_terms_metrics_over_the_steps_that_ran_it():
     assert values["distill_loss"] == pytest.approx(0.3)
     assert values["distill_num_steps"] == pytest.approx(2.0)
     assert values["loss"] == pytest.approx(2.0)
+    # a term of the user's logs its own metric; the NaN streak and token count are not averaged
+    window = metrics_lib.accumulate(None, {**base, "logit_penalty": 1.5, "tokens": 64,
+                                           "bad_streak": 0})
+    values = metrics_lib.compute(window)
+    assert values["logit_penalty"] == 1.5 and not {"tokens", "bad_streak"} & set(values)
 
 
 # ------------------------------------------------------------------ a term of the test's
