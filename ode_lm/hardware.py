@@ -1,15 +1,28 @@
-"""Per-chip accelerator facts: THE one table of peak FLOP/s, HBM and interconnect bandwidth.
+"""Per-chip accelerator facts: THE one table of peak FLOP/s, HBM and interconnect bandwidth;
+and, for CPUs (which no table can list), a measured peak.
 
-Read by the trainer's MFU (``ode_lm.training.metrics``, through ``chip_spec``) and by the
-TPU AOT report (``ode-lm aot``: memory fit and the roofline estimate). Public vendor figures:
-Cloud TPU system-architecture pages (v4, v5e, v5p, v6e) and NVIDIA data sheets (SXM parts).
-ICI bandwidth is the chip's total interconnect bandwidth (all links, both directions, as
-the vendors quote it); for GPUs it is NVLink.
+Read by the trainer's MFU (``ode_lm.training.metrics``, through ``chip_spec`` and
+``cpu_peak_flops``) and by the TPU AOT report (``ode-lm aot``: memory fit and the roofline
+estimate). Public vendor figures: Cloud TPU system-architecture pages (v4, v5e, v5p, v6e) and
+NVIDIA data sheets (SXM parts). ICI bandwidth is the chip's total interconnect bandwidth (all
+links, both directions, as the vendors quote it); for GPUs it is NVLink.
+
+A CPU's peak is the best rate of a short fp32 ``jnp.dot`` probe, measured once per machine
+(CPU model and the cores this process may use) and cached in ``$ODE_LM_CACHE`` (default
+``~/.cache/ode_lm``) as ``cpu_peak_flops.json``; ``TrainConfig.cpu_peak_flops`` and
+``ode-lm bench --peak-flops`` set it instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import tempfile
+import time
 
 GiB = 1024**3
 
@@ -59,3 +72,77 @@ def chip_spec(device_kind: str) -> ChipSpec | None:
         if name in kind:
             return CHIP_SPECS[name]
     return None
+
+
+# ------------------------------------------------------------------------ CPUs: measured
+
+CPU_PROBE_SIZE = 2048  # n of the n x n fp32 matmul: big enough for every core's vector units
+CPU_PROBE_REPEATS = 5
+
+
+def cpu_key() -> str:
+    """What the CPU peak depends on: the CPU model and the cores this process may use."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or "unknown cpu"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return f"{model} x{cores}"
+
+
+def cpu_peak_cache_path() -> str:
+    base = os.environ.get("ODE_LM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                          "ode_lm")
+    return os.path.join(base, "cpu_peak_flops.json")
+
+
+def probe_cpu_peak_flops(n: int = CPU_PROBE_SIZE, repeats: int = CPU_PROBE_REPEATS) -> float:
+    """Best rate (FLOP per wall second) of a jitted fp32 [n, n] @ [n, n] on the CPU."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.devices("cpu")[0]
+    a = jax.device_put(jnp.ones((n, n), jnp.float32), cpu)
+    dot = jax.jit(jnp.dot)
+    dot(a, a).block_until_ready()  # compile
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dot(a, a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2.0 * n**3 / max(best, 1e-9)
+
+
+@functools.cache
+def cpu_peak_flops(cache_path: str | None = None) -> float:
+    """This machine's CPU peak FLOP/s: the cached probe of ``cpu_key()``, probed (and cached)
+    on the first call on a new machine. A cache that cannot be written is not an error."""
+    path = cache_path or cpu_peak_cache_path()
+    key = cpu_key()
+    try:
+        with open(path) as f:
+            table = json.load(f)
+    except (OSError, ValueError):
+        table = {}
+    if not isinstance(table, dict):
+        table = {}
+    value = table.get(key)
+    if isinstance(value, int | float) and value > 0:
+        return float(value)
+    table[key] = peak = probe_cpu_peak_flops()
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # atomic: processes probing together each write a whole file
+    except OSError:
+        pass
+    return peak

@@ -106,18 +106,19 @@ def create_mesh(
 def axis_rules(overrides: Sequence[tuple[str, Any]] = ()) -> tuple[tuple[str, Any], ...]:
     """THE rules table with ``overrides`` (logical name -> mesh axes) replacing its entries.
 
-    Gin binds ``axis_rules.overrides`` to change a mapping for one run without a second table.
+    A run sets them as ``MeshConfig.rule_overrides`` to change a mapping without a second table.
     """
     table = dict(LOGICAL_AXIS_RULES)
     for name, target in overrides:
         if name not in table:
-            raise ValueError(f"axis_rules.overrides: unknown logical axis {name!r}")
+            raise ValueError(f"MeshConfig.rule_overrides: unknown logical axis {name!r}")
         if isinstance(target, list):
             target = tuple(target)
         for axis in target if isinstance(target, tuple) else (target,):
             if axis is not None and axis not in MESH_AXES:
                 raise ValueError(
-                    f"axis_rules.overrides: {name!r} -> {target!r} names no mesh axis {MESH_AXES}"
+                    f"MeshConfig.rule_overrides: {name!r} -> {target!r} names no mesh axis "
+                    f"{MESH_AXES}"
                 )
         table[name] = target
     return tuple(table.items())

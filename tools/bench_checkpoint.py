@@ -31,7 +31,7 @@ DESCRIPTIONS = {
     "trainer": "trainer Checkpointer: orbax's save call on a worker thread from an on-device "
                "copy; async (directories too), OCDBT, no compression, keep 2",
     "on_loop": "same, orbax's save call on the loop (off_loop=False)",
-    "sync_dirs": "on_loop, step directories made on the loop (the path before issue 16)",
+    "sync_dirs": "on_loop, step directories made on the loop (the older path)",
     "synchronous": "same, enable_async_checkpointing=False",
     "keep_all": "same, max_to_keep=None (no deletions)",
     "no_ocdbt": "same handler with use_ocdbt=False",

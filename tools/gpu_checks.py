@@ -10,7 +10,7 @@
     python tools/gpu_checks.py summary --steps_dir S --out summary.json
 
 Why a module and not heredocs: each check is tested on CPU (``--small``: micro sizes) by
-tests/pod/test_gpu_session.py, so the script that one lent H200 runs cannot rot. Tolerances
+tests/pod/test_gpu_session.py, so the script an accelerator host runs cannot rot. Tolerances
 follow from the dtype the arithmetic runs in (float32 checks run at 'highest' matmul
 precision, so a GPU does not round to TF32).
 """

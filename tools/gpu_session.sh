@@ -1,26 +1,21 @@
 #!/usr/bin/env bash
-# One prepared accelerator session for ode-lm (issue 27): install, environment, correctness,
-# speed, a real run; every step time-boxed, everything under $OUT, one summary.json.
+# One prepared accelerator session for ode-lm: install, environment, correctness, speed, a
+# real run; every step time-boxed, everything under $OUT, one summary.json.
 #
-# The run-tool call a session lent an H200 makes (after `tools/gpu_wheels.sh` here):
-#   run(command="bash tools/gpu_session.sh 2>&1", carry=["wheels"], timeout_s=540)
-# ($OUT is set there; the script stays under TOTAL_BUDGET_S = 450 s of its own, so the
-# machine's start plus one partial rerun fit the 15-minute lease.) A rerun of part of it:
-#   run(command="SKIP=attention,parity,determinism,resume bash tools/gpu_session.sh 2>&1",
-#       carry=["wheels"], timeout_s=400)
-# If smoke (import + one compile on the machine's jax) fails, the script stops right there.
+# On an accelerator host, from a checkout (the host's Python already has jax with its
+# accelerator plugin, flax, optax, orbax; wheels/ holds the rest, see tools/gpu_wheels.sh):
+#   OUT=/path/to/results bash tools/gpu_session.sh 2>&1
+# The script keeps to TOTAL_BUDGET_S = 450 s of its own. A rerun of part of it:
+#   SKIP=attention,parity,determinism,resume OUT=/path/to/results bash tools/gpu_session.sh
+# If smoke (import + one compile on the host's jax) fails, the script stops right there.
 #
 # CPU dry run (what tests/pod/test_gpu_session.py runs; micro sizes, short boxes):
 #   OUT=/tmp/out tools/gpu_session.sh --dry-run
 #
-# Wheels carried in wheels/ (tools/gpu_wheels.sh; 9.8 MiB together): grain 0.2.18,
-# array-record 0.8.6, gin-config 0.5.0, clu 0.0.12, ml-collections 1.1.0, portpicker 1.6.0,
-# zstandard 0.25.0. Everything else is the image's (jax 0.11.2 + CUDA 13 plugin, flax, ...).
-#
-# What comes back (the run tool returns at most 8 files): $OUT/summary.json (every figure
-# and each step's rc, seconds and result), $OUT/session.log (all output), $OUT/steps.tar.gz
-# (each step's JSON, log and the real run's metrics + TensorBoard events), and
-# $OUT/trace.tar.gz (the jax.profiler trace) when it is under 15 MiB.
+# What it leaves in $OUT (a few plain files, easy to copy off the host): summary.json (every
+# figure and each step's rc, seconds and result), session.log (all output), steps.tar.gz
+# (each step's JSON, log and the real run's metrics + TensorBoard events), and trace.tar.gz
+# (the jax.profiler trace) when it is under 15 MiB.
 set -uo pipefail
 
 DRY_RUN=0
@@ -76,7 +71,7 @@ PY=python3
 START=$(date +%s)
 CHECKS=(tools/gpu_checks.py)
 
-pack() {  # the run tool returns <= 8 files from $OUT: fold the step files into one archive
+pack() {  # $OUT stays a few plain files: fold the step files into one archive
   $PY tools/gpu_summary.py summary --steps_dir "$STEPS" --out "$OUT/summary.json" || true
   # the run's top-level files (metrics, events, run record; not its checkpoints)
   [[ -d "$WORK/real_run" ]] && find "$WORK/real_run" -maxdepth 1 -type f -exec cp {} "$STEPS/" \;
@@ -123,12 +118,14 @@ step() {
   echo "   rc $rc, ${dt} s"
 }
 
-# ---- install: the carried wheels, then ode-lm itself on top of the image's jax
+# ---- install: the wheels in wheels/ (if any), then ode-lm itself on top of the host's jax
 install() {
   if (( DRY_RUN )); then echo "dry run: nothing installed"; return 0; fi
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site wheels/*.whl || return 1
-  export PYTHONPATH="$REPO:/tmp/site"
+  if compgen -G "wheels/*.whl" > /dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site wheels/*.whl || return 1
+    export PYTHONPATH="$REPO:/tmp/site"
+  fi
   $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . ||
     echo "pip install -e . failed: ode-lm runs from PYTHONPATH=$REPO"
 }

@@ -43,12 +43,12 @@ def figures(steps: dict) -> dict:
             x = x.get(k) if isinstance(x, dict) else None
         return x
 
-    targets = get("bench", "targets") or {}
+    bench = get("bench", "summary") or {}
     compare = get("bench", "groups", "compare") or [None, None]
     ode = compare[1] if len(compare) > 1 else None
     return {
         "ode_mfu_vs_accelerator_peak": ode and ode.get("mfu_vs_accelerator_peak"),
-        "ode_vanilla_step_ratio": (targets.get("ode_vanilla_step_ratio") or {}).get("value"),
+        "ode_vanilla_step_ratio": (bench.get("ode_vanilla_step_ratio") or {}).get("value"),
         "ode_tokens_per_s": ode and ode.get("tokens_per_s"),
         "ode_compiled_peak_bytes": ode and ode.get("compiled_peak_bytes"),
         "attention_fwd_bwd_ms": {k: v.get("fwd_bwd_ms_median") for k, v in

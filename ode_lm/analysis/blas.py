@@ -1,6 +1,6 @@
 """Run numpy's LAPACK single-threaded inside a block.
 
-Measured here (2 cores shared with other processes): ``np.linalg.eigvals`` on 16 matrices of
+Measured on a small CPU shared with other processes: ``np.linalg.eigvals`` on 16 matrices of
 256 × 256 took 10.5 s of CPU with OpenBLAS' default threads and 0.8 s with one thread. The
 Hessenberg/QR iterations of a general eigensolver work on small panels, so extra OpenBLAS
 threads mostly spin. Batched eigenvalue and QR calls therefore run under

@@ -25,7 +25,7 @@ import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 
-from ode_lm import partitioning
+from ode_lm import hardware, partitioning
 from ode_lm.bench.presets import CONFIGS, BenchConfig, get_config  # noqa: F401 (re-exported)
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.models.accounting import flops_per_token, param_count
@@ -57,12 +57,14 @@ def matmul_peak(dtype: str = "float32", n: int = 2048, repeats: int = 10) -> tup
 
 
 def accelerator_peak(devices: Sequence[jax.Device], dtype: str) -> tuple[float, str]:
-    """The configured peak of the mesh (trainer's table) and where it came from."""
+    """The trainer's peak of the mesh (chip table, or the CPU's probed peak) and where it
+    came from."""
     peak = metrics_lib.total_peak_flops(list(devices), dtype)
-    kind = devices[0].device_kind
     if devices[0].platform == "cpu":
-        return peak, f"configured CPU peak (metrics.DEFAULT_CPU_PEAK_FLOPS) x {len(devices)}"
-    return peak, f"{kind} {dtype} table peak x {len(devices)}"
+        processes = len({d.process_index for d in devices})
+        return peak, (f"probed CPU peak ({hardware.cpu_peak_cache_path()}) x {processes} "
+                      "process(es)")
+    return peak, f"{devices[0].device_kind} {dtype} table peak x {len(devices)}"
 
 
 # ------------------------------------------------------------------------ FLOP counting

@@ -1,6 +1,6 @@
 """Input pipelines: tokenizers, raw sources, offline preparation, grain train/eval/streaming.
 
-Public API (see WORKSPACE.md "Data"): ``DataConfig``, ``get_tokenizer``, ``padded_vocab_size``,
+Public API (its use: docs/data.md): ``DataConfig``, ``get_tokenizer``, ``padded_vocab_size``,
 ``prepare``, ``ensure_prepared``, ``load_manifest``, ``make_train_iterator``,
 ``make_eval_iterator``, ``to_global_batch``.
 """

@@ -47,7 +47,7 @@ def normal_init(std: float | jax.Array) -> Callable:
     ``nnx.initializers.normal(std)(key, shape)`` (tests/model/test_model_training.py checks
     it), but it
     compiles once per parameter *size*, and faster: threefry over a rank-4/5 shape compiled in
-    3.8-8 s on the shared 2-core CPU, over a vector of the same size in 1.2-1.3 s. Model
+    3.8-8 s on a small shared CPU, over a vector of the same size in 1.2-1.3 s. Model
     construction dominates many tests' time; the suite's persistent compilation cache keeps
     these compiles (each is over its 0.5 s threshold).
     """

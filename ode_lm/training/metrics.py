@@ -19,25 +19,29 @@ import jax
 import numpy as np
 from clu import metrics as clu_metrics
 
-from ode_lm.hardware import chip_spec
+from ode_lm import hardware
 from ode_lm.training.run_dir import RunDir
 
-DEFAULT_CPU_PEAK_FLOPS = 300e9  # measured fp32 matmul peak of this 2-core host, per process
+# TrainConfig.cpu_peak_flops's default. Unset (0 or None): the CPU's peak probed once per
+# machine (hardware.cpu_peak_flops); a number set there overrides the probe.
+DEFAULT_CPU_PEAK_FLOPS = 0.0
 
 
 def peak_flops_per_device(device_kind: str, dtype: str = "bfloat16") -> float | None:
     """Peak FLOP/s of one accelerator from its ``device_kind`` (the one chip table,
     ``hardware.chip_spec``); None if not in the table."""
-    spec = chip_spec(device_kind)
+    spec = hardware.chip_spec(device_kind)
     return None if spec is None else spec.peak_flops(dtype)
 
 
 def total_peak_flops(
-    devices: list[jax.Device], dtype: str, cpu_peak_flops: float = DEFAULT_CPU_PEAK_FLOPS
+    devices: list[jax.Device], dtype: str, cpu_peak_flops: float | None = None
 ) -> float:
-    """Peak FLOP/s of the whole mesh. Simulated CPU devices share one host: cpu_peak per process."""
+    """Peak FLOP/s of the whole mesh. Simulated CPU devices share one host: the CPU peak
+    (``cpu_peak_flops``; unset, 0 or None: the probed one) per process."""
     if devices[0].platform == "cpu":
-        return cpu_peak_flops * len({d.process_index for d in devices})
+        per_process = cpu_peak_flops or hardware.cpu_peak_flops()
+        return per_process * len({d.process_index for d in devices})
     per_device = peak_flops_per_device(devices[0].device_kind, dtype)
     if per_device is None:
         return float("nan")

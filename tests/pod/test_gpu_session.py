@@ -1,5 +1,5 @@
 """tools/gpu_session.sh --dry-run: the prepared accelerator session, end to end on the CPU
-with micro sizes, so the script a lent H200 runs cannot rot (issue 27)."""
+with micro sizes, so the script an accelerator host runs cannot rot."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_dry_run_writes_every_step_and_the_summary(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "tools" / "gpu_session.sh"), "--dry-run"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # what the run tool brings back: at most 8 files, none in folders
+    # what comes back: a few plain files, none in folders
     files = sorted(p.name for p in out.iterdir())
     assert {"summary.json", "session.log", "steps.tar.gz"} <= set(files), files
     assert len(files) <= 8 and all(p.is_file() for p in out.iterdir()), files
