@@ -22,10 +22,6 @@ from clu import metrics as clu_metrics
 from ode_lm import hardware
 from ode_lm.training.run_dir import RunDir
 
-# TrainConfig.cpu_peak_flops's default. Unset (0 or None): the CPU's peak probed once per
-# machine (hardware.cpu_peak_flops); a number set there overrides the probe.
-DEFAULT_CPU_PEAK_FLOPS = 0.0
-
 
 def peak_flops_per_device(device_kind: str, dtype: str = "bfloat16") -> float | None:
     """Peak FLOP/s of one accelerator from its ``device_kind`` (the one chip table,
