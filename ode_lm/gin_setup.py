@@ -34,17 +34,13 @@ from ode_lm.finetune import FinetuneConfig, run_finetune
 from ode_lm.harness.run import LmEval
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.config import MeshConfig, TrainConfig
 from ode_lm.training.evaluation import EvalHook, EvalSets, LossEval
+from ode_lm.training.inputs import default_eval_data
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.step import StepConfig
-from ode_lm.training.trainer import (
-    MeshConfig,
-    TrainConfig,
-    Trainer,
-    TrainResult,
-    default_eval_data,
-)
+from ode_lm.training.trainer import Trainer, TrainResult
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 

@@ -159,7 +159,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     from ode_lm.models.common import attention_impl
     from ode_lm.training import state as state_lib
     from ode_lm.training import step as step_lib
-    from ode_lm.training import trainer as trainer_lib
+    from ode_lm.training.config import validate
     from ode_lm.training.optim import make_optimizer
 
     model, data, mesh_cfg = cfg["model"], cfg["data"], cfg["mesh"]
@@ -171,9 +171,9 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
                          f"chips in {topo.num_slices} slice(s)): {e}") from None
     rules = partitioning.axis_rules(mesh_cfg.rule_overrides)
     data = dataclasses.replace(data, global_batch_size=global_batch)
-    trainer_lib.validate(model, data, cfg["step"], mesh, rules)
+    validate(model, data, cfg["step"], mesh, rules)
     tx, schedule = make_optimizer(cfg["optimizer"], cfg["num_train_steps"])
-    spec = state_lib.build_state_spec(trainer_lib.default_model_fn(model), tx, mesh, rules)
+    spec = state_lib.build_state_spec(state_lib.default_model_fn(model), tx, mesh, rules)
     counts = param_count(spec.abstract_params)
     report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, counts["total"],
                     counts["hypernetwork"],

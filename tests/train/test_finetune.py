@@ -145,16 +145,17 @@ def test_a_finetune_that_fails_before_its_first_step_leaves_model_dir_as_found(
 
 
 def test_bad_inputs(tmp_path, pretrained, corpus, capsys):
-    def err(**over):
+    def err(status=1, **over):  # 2: a setting FinetuneConfig refuses when built
         out = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
-        assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out, **over)}"]) == 1
+        gin = _gin(tmp_path, pretrained, corpus, out, **over)
+        assert ft.main([f"--gin_file={gin}"]) == status
         text = capsys.readouterr().err.strip()
         assert "\n" not in text
         return text
 
-    assert "FINETUNE_STEPS=0: must be a positive" in err(M=0)
-    assert "FINETUNE_STEPS=-1" in err(M=-1)
-    assert "METHOD='qlora'" in err(METHOD="qlora")
+    assert "FINETUNE_STEPS=0: must be a positive" in err(2, M=0)
+    assert "FINETUNE_STEPS=-1" in err(2, M=-1)
+    assert "METHOD='qlora'" in err(2, METHOD="qlora")
     assert "LoRA target(s) ['attention'] match no linear layer" in err(TARGETS="('attention',)")
     empty = tmp_path / "empty_run"
     empty.mkdir()
