@@ -112,6 +112,23 @@ def test_a_bad_setting_stops_the_train_cli_with_one_line(cls, field, work, monke
     assert err.startswith("ode-lm-train: error: ") and words in err, err
 
 
+def test_an_adaptive_eval_solver_is_solved_at_the_models_rtol(tmp_path):
+    """TrainConfig.eval_solver='adaptive' once stopped Trainer.__init__ with a TypeError (its
+    rtol reached the eval's names as None): the trainer's Evaluator has the model's rtol."""
+    import jax
+    from model_helpers import tiny_config
+
+    from ode_lm.training.evaluation import Solve
+    from ode_lm.training.trainer import Trainer
+
+    trainer = Trainer(
+        model_config=tiny_config(rtol=1e-2), data_config=DataConfig(seq_len=16),
+        train_config=TrainConfig(model_dir=str(tmp_path / "run"), num_train_steps=1,
+                                 eval_solver="adaptive", eval_num_steps=(2,)),
+        mesh_config=MeshConfig(ici_parallelism=(1, 1, 1)), devices=jax.devices()[:1])
+    assert trainer.eval_settings == {"@adaptive:rtol=0.01": Solve("adaptive", rtol=1e-2)}
+
+
 @pytest.mark.parametrize("cls", list(BAD), ids=[c.__name__ for c in BAD])
 def test_the_table_names_every_field(cls):
     fields = {f.name for f in dataclasses.fields(cls)}
