@@ -13,6 +13,9 @@ collective. JAX's coordination service notices the silence after
 with a C++ stack trace. :func:`initialize` instead turns on JAX's recoverable-task mode (the
 service only records the loss) and starts a :class:`PeerWatchdog` that polls the service's
 live-process list and ends this process with one line naming the lost process.
+
+Over 400 lines: a job's whole life (join, watchdog, lost-peer errors, shutdown, exit) shares
+the coordination client's state, so it stays in one module.
 """
 
 from __future__ import annotations

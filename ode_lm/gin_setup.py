@@ -3,6 +3,7 @@ classes, the ``train`` and ``finetune`` entries), the flags are parsed here, and
 text is read here (the run record's config changes, old runs' data settings, the bench
 presets, sweep files). No other module imports gin except the gin CLIs' entry modules;
 the layers below get what they need from gin handed in (``GinRecord``, ``run_dir``).
+Over 400 lines for that reason: a second module for part of it would be a second gin owner.
 
 Flags: ``--gin_file=F`` (repeatable), ``--gin_bindings='A.b = 1'`` (repeatable),
 ``--gin.NAME=VALUE`` (shorthand for a binding; a bare word VALUE is taken as a string) and

@@ -4,7 +4,9 @@ Uses the trainer's own pieces (gin -> mesh -> state spec -> jit'ed train step) w
 compile-only TPU devices from libtpu (``pip install -e ".[tpu]"``), then prints per-chip
 memory against the chip's HBM, compiled against analytic FLOPs and the expected MFU at a
 stated step time. Exit status: 0 fits; 1 does not fit, or a bad value/file (one line
-``ode-lm aot: error: ...``); 2 a command line that does not parse.
+``ode-lm aot: error: ...``); 2 a command line that does not parse, or a setting a config
+class refuses (``--remat=bogus``). Over 400 lines: the command and its report (memory,
+FLOPs, the fit search) are one tool, read together.
 
     ode-lm aot --gin_file=configs/models/tiny.gin \
         --gin_file=configs/data/builtin.gin --topology=v5e:2x2

@@ -1,6 +1,7 @@
-"""Bad input to every ode-lm command: exit 2 (the command line does not parse) or 1 (the run
-failed), one line `ode-lm <command>: error: ...` on stderr naming the flag, file or value,
-no traceback, and an existing MODEL_DIR and DATA_DIR byte-for-byte unchanged.
+"""Bad input to every ode-lm command: exit 2 (the command line does not parse, or a config
+class refuses a setting) or 1 (the run failed), one line `ode-lm <command>: error: ...` on
+stderr naming the flag, file or value, no traceback, and an existing MODEL_DIR and DATA_DIR
+byte-for-byte unchanged.
 
 Each case is a real subprocess (what a user sees, C++ and absl output included) against one
 small trained run and its prepared data dir, both hashed before and after every case.
@@ -177,7 +178,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "aot: unknown topology": ([*AOT, "--topology=v9x-8"], "v9x", FAILED),
     "aot: missing gin file": (["aot", "--gin_file={WORK}/nope.gin", "--topology=v5e:2x2"],
                               "nope.gin", FAILED),
-    "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", FAILED),
+    "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", USAGE),
     "aot: abbreviated flag": ([*AOT, "--topology=v5e:2x2", "--step=1"], "--step=1", USAGE),
     # bench, sweep, scaling-report
     "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),
