@@ -257,7 +257,7 @@ def clear() -> None:
 
 
 class GinRecord:
-    """The operative config as the trainer records it (``trainer.ConfigRecord``): its text,
+    """The operative config as the trainer records it (``run_dir.ConfigRecord``): its text,
     the text as TensorBoard shows it, and the bindings that changed between two texts."""
 
     def text(self) -> str:
