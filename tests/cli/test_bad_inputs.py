@@ -145,7 +145,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "prepare: unknown tokenizer": ([*PREPARE, "--tokenizer=nope:1",
                                     "--data_dir={WORK}/data_new"], "nope:1", FAILED),
     "prepare: holdout above 1": ([*PREPARE, "--holdout_fraction=1.5",
-                                  "--data_dir={WORK}/data_new"], "holdout_fraction", FAILED),
+                                  "--data_dir={WORK}/data_new"], "holdout_fraction", USAGE),
     "prepare: holdout not a number": ([*PREPARE, "--holdout_fraction=half",
                                        "--data_dir={WORK}/data_new"],
                                       "argument --holdout_fraction: invalid float value", USAGE),
