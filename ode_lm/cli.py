@@ -2,8 +2,10 @@
 
 A user error ends a command with exactly one line ``<prog>: error: <message>`` on stderr and
 exit status 2 for a command line that does not parse (unknown or abbreviated flag, missing
-required flag, a value of the wrong type, a gin flag that does not parse, no --gin_file) or 1
-for a run that fails (missing or bad file, bad value inside a config, a failed run).
+required flag, a value of the wrong type, a gin flag that does not parse, no --gin_file) or
+a setting a config class refuses when it is built (``errors.SettingError``: a field's value,
+from a flag or a file), or 1 for a run that fails (missing or bad file, settings that do
+not fit the machine or the data, a failed run).
 ``--verbose`` (or ``ODE_LM_DEBUG=1``, which also re-raises for the traceback) keeps gin's full
 message.
 """
@@ -19,7 +21,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from ode_lm.errors import UsageError  # noqa: F401  (re-exported: cli.UsageError)
+from ode_lm.errors import SettingError, UsageError
 
 # gin appends "  In call to configurable 'X' (<class '...'>)" (or "<function ... at 0x..>")
 # to every exception raised inside a configurable; one per level of nesting.
@@ -37,8 +39,8 @@ def one_line(e: BaseException, verbose: bool = False) -> str:
     return text or type(e).__name__
 
 
-EXIT_FAILURE = 1  # the run failed: bad file, bad value inside a config, failed run
-EXIT_USAGE = 2  # the command line does not parse
+EXIT_FAILURE = 1  # the run failed: bad file, settings that do not fit, failed run
+EXIT_USAGE = 2  # the command line does not parse, or a config class refuses a setting
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -137,9 +139,13 @@ def pop_verbose(argv: list[str]) -> tuple[list[str], bool]:
 
 
 def report_error(prog: str, e: BaseException, verbose: bool = False) -> int:
-    """The one error line on stderr; the exit status: 2 for a UsageError, else 1."""
+    """The one error line on stderr; the exit status: 2 for a UsageError (a refused setting
+    names its field and value: no pointer to --help), else 1."""
     if debug():
         raise e
+    if isinstance(e, SettingError):
+        print(f"{prog}: error: {one_line(e, verbose)}", file=sys.stderr)
+        return EXIT_USAGE
     if isinstance(e, UsageError):
         print(f"{prog}: error: {one_line(e, verbose)} (see --help)", file=sys.stderr)
         return EXIT_USAGE

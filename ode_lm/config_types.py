@@ -1,10 +1,13 @@
-"""One type check for every config dataclass, run first in its ``__post_init__``.
+"""One type check for every config dataclass, run first in its ``__post_init__``, and the
+value checks that follow it (``require*``): every setting is checked where it is made.
 
 gin passes whatever the user wrote: ``--gin.TRAIN_STEPS=1.5`` must stop with
 ``TrainConfig.num_train_steps=1.5: expected an int`` instead of training "step 2/1.5". The
 annotations are the contract: ints reject floats and bools, floats accept ints (coerced, so a
 frozen config holds one type), tuples accept lists (gin writes ``[4, 8]`` as a list) and are
 stored as tuples. Annotations this module does not understand (callables, ``Any``) pass.
+Both raise ``errors.SettingError`` (exit 2 on the command line): one line naming the class,
+the field and the value.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Collection
 from typing import Any, Union
+
+from ode_lm.errors import SettingError, SettingTypeError
 
 _NO_VALUE = object()
 
@@ -75,7 +81,8 @@ def _coerce(value: Any, tp: Any) -> Any:
 
 
 def check_types(config: Any) -> None:
-    """Raise ``TypeError('<Class>.<field>=<value>: expected <type>')`` for a mistyped field.
+    """Raise ``SettingTypeError('<Class>.<field>=<value>: expected <type>')`` (a TypeError)
+    for a mistyped field.
 
     Coerced values (int → float, list → tuple) are written back, frozen or not."""
     cls = type(config)
@@ -85,7 +92,48 @@ def check_types(config: Any) -> None:
         value = getattr(config, field.name)
         out = _coerce(value, tp)
         if out is _NO_VALUE:
-            raise TypeError(f"{cls.__name__}.{field.name}={value!r}: expected {_describe(tp)}")
+            raise SettingTypeError(
+                f"{cls.__name__}.{field.name}={value!r}: expected {_describe(tp)}")
         if out is not value:
             object.__setattr__(config, field.name, out)
 
+
+
+# ------------------------------------------------------------- value checks
+
+
+def require(config: Any, field: str, ok: bool, why: str) -> None:
+    """Unless ``ok``: ``SettingError('<Class>.<field>=<value>: <why>')``, the one line every
+    config class refuses a value with (exit 2 on the command line)."""
+    if not ok:
+        value = getattr(config, field)
+        raise SettingError(f"{type(config).__name__}.{field}={value!r}: {why}")
+
+
+def require_one_of(config: Any, field: str, allowed: Collection[Any]) -> None:
+    """``field`` is one of ``allowed`` (a solver, a dtype, a mode)."""
+    require(config, field, getattr(config, field) in allowed,
+            f"expected one of {tuple(allowed)}")
+
+
+def require_at_least(config: Any, minimum: float, *fields: str) -> None:
+    """Each of ``fields`` is ``>= minimum`` (a count; ``None``, where allowed, passes)."""
+    for field in fields:
+        value = getattr(config, field)
+        require(config, field, value is None or value >= minimum, f"must be >= {minimum}")
+
+
+def require_positive(config: Any, *fields: str) -> None:
+    """Each of ``fields`` is a finite number ``> 0`` (a rate, a tolerance, a scale;
+    ``None``, where allowed, passes)."""
+    for field in fields:
+        value = getattr(config, field)
+        require(config, field, value is None or 0 < value < float("inf"),
+                "must be a finite number > 0")
+
+
+def require_fraction(config: Any, field: str, *, closed: bool = False) -> None:
+    """``field`` is in [0, 1) (``closed``: [0, 1]): a share, a rate of dropout, a holdout."""
+    value = getattr(config, field)
+    ok = 0.0 <= value <= 1.0 if closed else 0.0 <= value < 1.0
+    require(config, field, ok, f"must be in [0, {'1]' if closed else '1)'}")

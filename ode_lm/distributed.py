@@ -13,6 +13,9 @@ collective. JAX's coordination service notices the silence after
 with a C++ stack trace. :func:`initialize` instead turns on JAX's recoverable-task mode (the
 service only records the loss) and starts a :class:`PeerWatchdog` that polls the service's
 live-process list and ends this process with one line naming the lost process.
+
+Over 400 lines: a job's whole life (join, watchdog, lost-peer errors, shutdown, exit) shares
+the coordination client's state, so it stays in one module.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any, NoReturn
 import jax
 
 from ode_lm import compat
+from ode_lm.config_types import check_types, require_at_least, require_positive
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +59,10 @@ class DistributedConfig:
     watchdog_poll_seconds: float = 1.0
 
     def __post_init__(self):
-        for name in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds",
-                     "initialization_timeout"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"DistributedConfig.{name}={value!r}: must be an integer >= 1")
-        if not self.watchdog_poll_seconds > 0:
-            raise ValueError(
-                f"DistributedConfig.watchdog_poll_seconds={self.watchdog_poll_seconds!r}: "
-                "must be > 0"
-            )
+        check_types(self)
+        require_at_least(self, 1, "heartbeat_timeout_seconds", "shutdown_timeout_seconds",
+                         "initialization_timeout")
+        require_positive(self, "watchdog_poll_seconds")
 
 
 @dataclasses.dataclass(frozen=True)

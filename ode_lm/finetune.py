@@ -26,24 +26,26 @@ import jax
 import numpy as np
 from flax import nnx
 
-from ode_lm.config_types import check_types
+from ode_lm.config_types import (
+    check_types,
+    require,
+    require_at_least,
+    require_one_of,
+    require_positive,
+)
+from ode_lm.errors import SettingError
 from ode_lm.lora import LoRAModel, LoRASpec, lora_model_fn, lora_trainable
 from ode_lm.models.accounting import param_count
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.config import MeshConfig, TrainConfig
 from ode_lm.training.evaluation import EvalHook
+from ode_lm.training.inputs import prepare_data_once
 from ode_lm.training.optim import OptimizerConfig
-from ode_lm.training.run_dir import FinetuneRecord, RunDir
+from ode_lm.training.run_dir import ConfigRecord, FinetuneRecord, RunDir
+from ode_lm.training.state import default_model_fn
 from ode_lm.training.step import StepConfig
-from ode_lm.training.trainer import (
-    ConfigRecord,
-    MeshConfig,
-    TrainConfig,
-    Trainer,
-    TrainResult,
-    default_model_fn,
-    prepare_data_once,
-)
+from ode_lm.training.trainer import Trainer, TrainResult
 
 METHODS = ("full", "lora")
 MODES = ("continuous", "materialised")
@@ -65,13 +67,17 @@ class FinetuneConfig:
 
     def __post_init__(self):
         check_types(self)
-        if not isinstance(self.num_steps, int) or self.num_steps <= 0:
-            raise ValueError(f"FINETUNE_STEPS={self.num_steps!r}: must be a positive number of "
-                             "solver steps")
+        if self.num_steps <= 0:  # the configs' macro names it
+            raise SettingError(f"FINETUNE_STEPS={self.num_steps!r}: must be a positive number "
+                               "of solver steps")
         if self.method not in METHODS:
-            raise ValueError(f"METHOD={self.method!r}: expected one of {METHODS}")
-        if self.mode not in MODES:
-            raise ValueError(f"FinetuneConfig.mode={self.mode!r}: expected one of {MODES}")
+            raise SettingError(f"METHOD={self.method!r}: expected one of {METHODS}")
+        require_one_of(self, "mode", MODES)
+        require(self, "pretrained_dir", bool(self.pretrained_dir.strip()), "must not be empty")
+        require_at_least(self, 1, "lora_rank")
+        require_at_least(self, 0, "pretrained_step")
+        require_positive(self, "lora_alpha")
+        require(self, "lora_targets", bool(self.lora_targets), "must name a layer")
 
     @property
     def lora(self) -> LoRASpec:

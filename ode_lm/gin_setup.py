@@ -3,6 +3,7 @@ classes, the ``train`` and ``finetune`` entries), the flags are parsed here, and
 text is read here (the run record's config changes, old runs' data settings, the bench
 presets, sweep files). No other module imports gin except the gin CLIs' entry modules;
 the layers below get what they need from gin handed in (``GinRecord``, ``run_dir``).
+Over 400 lines for that reason: a second module for part of it would be a second gin owner.
 
 Flags: ``--gin_file=F`` (repeatable), ``--gin_bindings='A.b = 1'`` (repeatable),
 ``--gin.NAME=VALUE`` (shorthand for a binding; a bare word VALUE is taken as a string) and
@@ -34,18 +35,14 @@ from ode_lm.finetune import FinetuneConfig, run_finetune
 from ode_lm.harness.run import LmEval
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
+from ode_lm.training.config import MeshConfig, TrainConfig
 from ode_lm.training.evaluation import EvalHook, EvalSets, LossEval
+from ode_lm.training.inputs import default_eval_data
 from ode_lm.training.objective import TERMS
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.step import StepConfig
-from ode_lm.training.trainer import (
-    MeshConfig,
-    TrainConfig,
-    Trainer,
-    TrainResult,
-    default_eval_data,
-)
+from ode_lm.training.trainer import Trainer, TrainResult
 
 CONFIGS_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
@@ -263,7 +260,7 @@ def clear() -> None:
 
 
 class GinRecord:
-    """The operative config as the trainer records it (``trainer.ConfigRecord``): its text,
+    """The operative config as the trainer records it (``run_dir.ConfigRecord``): its text,
     the text as TensorBoard shows it, and the bindings that changed between two texts."""
 
     def text(self) -> str:

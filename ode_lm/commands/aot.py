@@ -4,7 +4,9 @@ Uses the trainer's own pieces (gin -> mesh -> state spec -> jit'ed train step) w
 compile-only TPU devices from libtpu (``pip install -e ".[tpu]"``), then prints per-chip
 memory against the chip's HBM, compiled against analytic FLOPs and the expected MFU at a
 stated step time. Exit status: 0 fits; 1 does not fit, or a bad value/file (one line
-``ode-lm aot: error: ...``); 2 a command line that does not parse.
+``ode-lm aot: error: ...``); 2 a command line that does not parse, or a setting a config
+class refuses (``--remat=bogus``). Over 400 lines: the command and its report (memory,
+FLOPs, the fit search) are one tool, read together.
 
     ode-lm aot --gin_file=configs/models/tiny.gin \
         --gin_file=configs/data/builtin.gin --topology=v5e:2x2
@@ -153,7 +155,7 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
     from ode_lm.models.common import attention_impl
     from ode_lm.training import state as state_lib
     from ode_lm.training import step as step_lib
-    from ode_lm.training import trainer as trainer_lib
+    from ode_lm.training.config import validate
     from ode_lm.training.optim import make_optimizer
 
     model, data, mesh_cfg = cfg["model"], cfg["data"], cfg["mesh"]
@@ -165,9 +167,9 @@ def compile_train_step(cfg: dict, topo: Topology, devices: list, global_batch: i
                          f"chips in {topo.num_slices} slice(s)): {e}") from None
     rules = partitioning.axis_rules(mesh_cfg.rule_overrides)
     data = dataclasses.replace(data, global_batch_size=global_batch)
-    trainer_lib.validate(model, data, cfg["step"], mesh, rules)
+    validate(model, data, cfg["step"], mesh, rules)
     tx, schedule = make_optimizer(cfg["optimizer"], cfg["num_train_steps"])
-    spec = state_lib.build_state_spec(trainer_lib.default_model_fn(model), tx, mesh, rules)
+    spec = state_lib.build_state_spec(state_lib.default_model_fn(model), tx, mesh, rules)
     counts = param_count(spec.abstract_params)
     report = Report(topo, dict(mesh.shape), global_batch, data.seq_len, counts["total"],
                     counts["hypernetwork"],

@@ -12,9 +12,17 @@ import os
 import re
 import tempfile
 
-from ode_lm.config_types import check_types
+from ode_lm.config_types import (
+    check_types,
+    require,
+    require_at_least,
+    require_fraction,
+    require_one_of,
+)
+from ode_lm.errors import SettingError
 
 PACKINGS = ("concat", "first_fit")
+NON_UTF8 = ("replace", "skip")  # a document that is not UTF-8: U+FFFD, or skip it
 
 
 def default_data_dir(source: str = "builtin", tokenizer: str = "bpe:4096",
@@ -78,33 +86,34 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_types(self)
+        for name in ("source", "tokenizer", "text_field"):
+            require(self, name, bool(getattr(self, name).strip()), "must not be empty")
+        require(self, "text_delimiter", self.text_delimiter != "",
+                "must not be empty (None: one document per file)")
+        require(self, "data_dir", "://" in (self.data_dir or "") or not (
+            self.data_dir and os.path.isfile(self.data_dir)), "is a file, not a directory")
+        require_one_of(self, "non_utf8", NON_UTF8)
+        require_one_of(self, "packing", PACKINGS)
+        require_fraction(self, "holdout_fraction")
+        require_at_least(self, 1, "docs_per_shard", "seq_len", "global_batch_size", "num_epochs",
+                         "num_threads", "eval_batch_size", "eval_max_batches",
+                         "interleave_files")
+        require_at_least(self, 0, "holdout_seed", "first_fit_bins", "row_shuffle_window",
+                         "prefetch", "num_workers", "shuffle_window")
+        require(self, "seed", 0 <= self.seed < 2**32, "must be in [0, 2^32)")
+        require(self, "mixture_weights", self.mixture is not None or not self.mixture_weights,
+                "staged weights without a DataConfig.mixture")
         if self.mixture is not None:
             self._check_mixture()
         if not self.data_dir:
             object.__setattr__(self, "data_dir", default_data_dir(
                 self.source, self.tokenizer, self.holdout_fraction, self.holdout_seed))
-        if self.packing not in PACKINGS:
-            raise ValueError(f"DataConfig.packing={self.packing!r}: use one of {PACKINGS}")
-        if self.seq_len < 1 or self.global_batch_size < 1:
-            raise ValueError(f"DataConfig: seq_len={self.seq_len} and global_batch_size="
-                             f"{self.global_batch_size} must be >= 1")
-        if not 0.0 <= self.holdout_fraction < 1.0:
-            raise ValueError(f"DataConfig.holdout_fraction={self.holdout_fraction} not in [0, 1)")
-        if self.non_utf8 not in ("replace", "skip"):
-            raise ValueError(f"DataConfig.non_utf8={self.non_utf8!r}: use 'replace' or 'skip'")
-        if self.row_shuffle_window < 0:
-            raise ValueError(f"DataConfig.row_shuffle_window={self.row_shuffle_window}: must be "
-                             ">= 0 (0: rows in packing order)")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"DataConfig.seed={self.seed} must be in [0, 2^32)")
 
     def _check_mixture(self) -> None:
-        if not isinstance(self.mixture, dict) or not self.mixture:
-            raise ValueError(f"DataConfig.mixture={self.mixture!r}: expected a dict "
-                             "{name: data dir or source spec}")
-        if self.streaming:
-            raise ValueError("DataConfig.mixture: streaming mixtures are not supported "
-                             "(prepare the components)")
+        require(self, "mixture", isinstance(self.mixture, dict) and bool(self.mixture),
+                "expected a dict {name: data dir or source spec}")
+        require(self, "mixture", not self.streaming,
+                "streaming mixtures are not supported (prepare the components)")
         check_mixture(self)
         if not self.data_dir:  # the first component's: its tokenizer is the run's
             object.__setattr__(self, "data_dir", mixture_components(self)[0][1].data_dir)
@@ -134,7 +143,7 @@ def mixture_components(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
                 spec = {"source": spec}
         bad = set(spec) - _SPEC_KEYS if isinstance(spec, dict) else {"?"}
         if bad:
-            raise ValueError(f"DataConfig.mixture[{name!r}]={spec!r}: expected a data dir, a "
+            raise SettingError(f"DataConfig.mixture[{name!r}]={spec!r}: expected a data dir, a "
                              f"source spec or a dict with keys {sorted(_SPEC_KEYS)}")
         source = spec.get("source", cfg.source)
         tokenizer = spec.get("tokenizer", cfg.tokenizer)
@@ -153,18 +162,23 @@ def check_mixture(cfg: DataConfig) -> None:
     for name, c in comps[1:]:
         for field in ("tokenizer", "seq_len"):
             if getattr(c, field) != getattr(first, field):
-                raise ValueError(f"DataConfig.mixture: components {first_name!r} and {name!r} "
+                raise SettingError(f"DataConfig.mixture: components {first_name!r} and {name!r} "
                                  f"disagree on {field} ({getattr(first, field)!r} vs "
                                  f"{getattr(c, field)!r})")
+    for stage in cfg.mixture_weights:
+        if not (isinstance(stage, tuple | list) and len(stage) == 2
+                and isinstance(stage[0], int) and not isinstance(stage[0], bool)):
+            raise SettingError(f"DataConfig.mixture_weights: stage {stage!r}: expected "
+                               "(start step, {name: weight})")
     stages = cfg.mixture_weights or ((0, dict.fromkeys(cfg.mixture, 1.0)),)
     starts = [s for s, _ in stages]
     if starts[0] != 0 or starts != sorted(set(starts)):
-        raise ValueError(f"DataConfig.mixture_weights: stage starts {starts} must begin at 0 and "
+        raise SettingError(f"DataConfig.mixture_weights: stage starts {starts} must begin at 0 and "
                          "increase")
     for start, weights in stages:
         if not isinstance(weights, dict) or set(weights) != set(cfg.mixture) or \
                 any(not isinstance(w, int | float) or w < 0 for w in weights.values()) or \
                 sum(weights.values()) <= 0:
-            raise ValueError(f"DataConfig.mixture_weights at step {start}: {weights!r} must "
+            raise SettingError(f"DataConfig.mixture_weights at step {start}: {weights!r} must "
                              f"weigh every component {sorted(cfg.mixture)} with weights >= 0 "
                              "and a positive sum")

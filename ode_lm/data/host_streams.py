@@ -16,16 +16,20 @@ alone, so the state stays the packers' positions.
 State (JSON, global): ``{"format", "step", "num_streams", "streams": {v: {component: packer
 state}}}``. Each host saves its streams' states (grain's ``process_{i}-of-{n}.json``); a
 restore reads every host's file of the old run (``global_state``) and each host takes its
-streams, so a run resumes on any host count that divides the batch, exact to the token.
+streams, so a run resumes on any host count that divides the batch, exact to the token
+(``restore``: what the trainer calls on a checkpoint step's data item).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import grain
 import numpy as np
+from etils import epath
 
 from ode_lm.data.packing import BATCH_KEYS
 
@@ -189,3 +193,55 @@ def global_state(saved: Mapping[tuple[int, int], Any], where: str, process_index
             and "reader" in first else "a per-host data state resumes only on its host count")
     raise DataStateError(f"{where}: {what} (saved on {n} process(es), this job has "
                          f"{process_count})")
+
+
+_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # grain's per-process file name
+
+
+def checkpointable(iterator: Any) -> bool:
+    """Whether a checkpoint holds ``iterator``'s state: a grain iterator (or any with
+    ``get_state`` / ``set_state``)."""
+    return isinstance(iterator, grain.DatasetIterator) or (
+        hasattr(iterator, "get_state") and hasattr(iterator, "set_state"))
+
+
+def saved_states(data_dir: str | epath.Path) -> dict[tuple[int, int], Any]:
+    """``{(process, count): parsed state}`` of every host's file in a checkpoint step's data
+    item; ``{}`` without one. A file that does not parse raises here (a damaged step)."""
+    data_dir = epath.Path(data_dir)
+    if not data_dir.exists():
+        return {}
+    out: dict[tuple[int, int], Any] = {}
+    for path in sorted(data_dir.iterdir()):
+        m = _STATE_FILE.fullmatch(path.name)
+        if m:
+            out[int(m.group(1)), int(m.group(2))] = json.loads(path.read_text())
+    return out
+
+
+def restore(iterator: Any, data_dir: str | epath.Path, process_index: int,
+            process_count: int) -> bool:
+    """Restore ``iterator`` in place from a checkpoint step's data item; False when there is
+    nothing to restore (no checkpointable iterator, no data item). A data-stream state is
+    merged from every host's file of the saving run (``global_state``), so any host count
+    resumes it; a per-host state (streaming, an injected iterator) is read from this layout's
+    own file, as grain's checkpoint handler reads it."""
+    if not checkpointable(iterator):
+        return False
+    saved = saved_states(data_dir)
+    if not saved:
+        return False
+    fresh = iterator.get_state()
+    ours = isinstance(fresh, dict) and fresh.get("format") == FORMAT
+    state = global_state(saved, str(data_dir), process_index, process_count, streams=ours)
+    if state is None:
+        text = (epath.Path(data_dir) / f"process_{process_index}-of-{process_count}.json"
+                ).read_text()
+        state = json.loads(text) if isinstance(iterator, grain.DatasetIterator) else text.encode()
+    try:
+        iterator.set_state(state)
+    except DataStateError as e:
+        raise DataStateError(f"{data_dir}: {e}") from None
+    if hasattr(iterator, "start_prefetch"):
+        iterator.start_prefetch()
+    return True

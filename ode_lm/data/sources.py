@@ -27,6 +27,9 @@ one that cannot be read (permissions, I/O, a broken gzip/zstd/parquet file) is s
 warning and counted (``SkippedFiles``; the manifest's ``skipped_files``); a source with no
 documents at all is an error naming the source. Malformed content (invalid JSON, a missing
 field) is never skipped: it is an error naming the file and line.
+
+Over 400 lines: every kind of source shares the spec parsing, the file walk and the skip
+and error rules above, so they stay in one module.
 """
 
 from __future__ import annotations

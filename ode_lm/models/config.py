@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from ode_lm.config_types import check_types
+from ode_lm.config_types import (
+    check_types,
+    require,
+    require_at_least,
+    require_fraction,
+    require_one_of,
+    require_positive,
+)
 
 FLAVOURS = ("gpt2", "llama", "neox")
 ARCHITECTURES = ("ode", "sequential", "parallel")
@@ -66,44 +73,20 @@ class ModelConfig:
 
     def __post_init__(self):
         check_types(self)
-        if self.flavour not in FLAVOURS:
-            raise ValueError(f"ModelConfig.flavour={self.flavour!r}: expected one of {FLAVOURS}")
-        if self.architecture not in ARCHITECTURES:
-            raise ValueError(
-                f"ModelConfig.architecture={self.architecture!r}: expected one of {ARCHITECTURES}"
-            )
-        if self.solver not in SOLVERS:
-            raise ValueError(f"ModelConfig.solver={self.solver!r}: expected one of {SOLVERS}")
-        if self.d_model % self.num_heads:
-            raise ValueError(
-                f"ModelConfig.d_model={self.d_model} is not divisible by num_heads={self.num_heads}"
-            )
-        if self.num_steps <= 0:
-            raise ValueError(f"ModelConfig.num_steps={self.num_steps}: must be >= 1")
-        for name, allowed in (("dtype", DTYPES), ("remat", REMAT),
+        for name, allowed in (("flavour", FLAVOURS), ("architecture", ARCHITECTURES),
+                              ("solver", SOLVERS), ("dtype", DTYPES), ("remat", REMAT),
                               ("weight_generation", WEIGHT_GENERATION),
                               ("attention_impl", ATTENTION_IMPLS)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"ModelConfig.{name}={getattr(self, name)!r}: expected one of {allowed}"
-                )
-        for name in ("vocab_size", "d_model", "num_heads", "max_seq_len", "time_embed_dim",
-                     "sinusoidal_dim", "num_layers"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name}={getattr(self, name)}: must be >= 1")
-        if self.mlp_dim is not None and self.mlp_dim <= 0:
-            raise ValueError(f"ModelConfig.mlp_dim={self.mlp_dim}: must be >= 1 or None")
-        if not 0.0 < self.rotary_fraction <= 1.0:
-            raise ValueError(
-                f"ModelConfig.rotary_fraction={self.rotary_fraction}: must be in (0, 1]"
-            )
-        if not self.time_max_period > 1.0:
-            raise ValueError(f"ModelConfig.time_max_period={self.time_max_period}: must be > 1")
-        if not (self.rtol > 0 and self.atol >= 0):
-            raise ValueError(f"ModelConfig.rtol={self.rtol}, atol={self.atol}: need rtol > 0, "
-                             "atol >= 0")
-        if not 0.0 <= self.dropout_rate < 1.0:
-            raise ValueError(f"ModelConfig.dropout_rate={self.dropout_rate}: must be in [0, 1)")
+            require_one_of(self, name, allowed)
+        require_at_least(self, 1, "vocab_size", "d_model", "num_heads", "mlp_dim", "max_seq_len",
+                         "num_steps", "time_embed_dim", "sinusoidal_dim", "num_layers")
+        require(self, "d_model", self.d_model % self.num_heads == 0,
+                f"not divisible by num_heads={self.num_heads}")
+        require_positive(self, "time_scale", "rtol", "norm_eps", "rope_theta", "init_std")
+        require(self, "time_max_period", self.time_max_period > 1.0, "must be > 1")
+        require(self, "atol", self.atol >= 0, "must be >= 0")
+        require(self, "rotary_fraction", 0.0 < self.rotary_fraction <= 1.0, "must be in (0, 1]")
+        require_fraction(self, "dropout_rate")
 
     @property
     def head_dim(self) -> int:

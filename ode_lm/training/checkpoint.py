@@ -1,10 +1,10 @@
-"""Orbax checkpoints: async saves every N steps, retention, resume onto the current mesh,
-params-only restore for tools (SIGTERM / Ctrl-C / preemption: ``preemption.py``).
+"""Orbax checkpoints: async saves every N steps, retention, resume onto the current mesh
+(params only, for tools: ``saved_run.restore_params``; early stops: ``preemption.py``).
 
-Layout: ``MODEL_DIR/checkpoints/<step>/{state,data}``. ``state`` is the train-state dict
-(see state.py); ``data`` is the grain iterator state. Orbax writes each step into a
-temporary directory and renames it when complete, so a save cut short by a kill is never
-listed and never restored.
+Layout: ``MODEL_DIR/checkpoints/<step>/{state,data}``: the train-state dict (state.py) and
+the data iterator's state (restored by ``data.host_streams.restore``). Orbax writes each step
+into a temporary directory and renames it when complete, so a save cut short by a kill is
+never listed and never restored.
 
 Faults: a complete step whose files were damaged later (truncated, zero bytes) is skipped
 with a warning naming it and the previous one is restored (``restore_latest``,
@@ -18,9 +18,7 @@ checkpoint stays the latest.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import re
 from typing import Any
 
@@ -30,11 +28,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from ode_lm.config_types import check_types
-from ode_lm.data import streams as streams_lib
+from ode_lm.config_types import check_types, require_at_least
+from ode_lm.data import host_streams as streams_lib
 from ode_lm.training.checkpoint_noise import install_save_noise_filters
 from ode_lm.training.optim import path_name
-from ode_lm.training.preemption import PreemptionWatcher, StopNow  # noqa: F401 - re-exported
 from ode_lm.training.run_dir import RunDir
 from ode_lm.training.save_worker import (
     FrozenIteratorState,
@@ -58,8 +55,7 @@ class CheckpointConfig:
 
     def __post_init__(self):
         check_types(self)
-        if self.save_every < 1:
-            raise ValueError(f"CheckpointConfig.save_every={self.save_every}: must be >= 1")
+        require_at_least(self, 1, "save_every", "max_to_keep", "keep_period")
 
 
 class ShapeMismatchError(ValueError):
@@ -81,21 +77,16 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 360 else f"{text[:200]} ... {text[-150:]}"
 
 
-def _is_grain_iterator(it: Any) -> bool:
-    return isinstance(it, grain.DatasetIterator) or (
-        hasattr(it, "get_state") and hasattr(it, "set_state")
-    )
-
-
 class Checkpointer:
     """Thin policy layer over ``ocp.CheckpointManager`` with items ('state', 'data')."""
 
-    def __init__(self, model_dir: str, config: CheckpointConfig = CheckpointConfig(), *,
+    def __init__(self, run: str | RunDir, config: CheckpointConfig = CheckpointConfig(), *,
                  async_directories: bool = True):
-        """``async_directories``: orbax creates each step's directories in its background
-        thread, off the train loop (``tools/bench_checkpoint.py`` compares both)."""
+        """``run``: the run directory (or its path); ``async_directories``: orbax creates each
+        step's directories in its background thread, off the train loop
+        (``tools/bench_checkpoint.py`` compares both)."""
         self.config = config
-        self.directory = epath.Path(RunDir(model_dir).checkpoints)
+        self.directory = epath.Path((run if isinstance(run, RunDir) else RunDir(run)).checkpoints)
         options = ocp.CheckpointManagerOptions(
             # orbax decides when to save (``should_save``): every ``save_every`` steps and at
             # a pod's preemption sync point. Its default policy would also save the first
@@ -160,7 +151,7 @@ class Checkpointer:
         if step <= self._submitted:
             return False  # handed over already; orbax may not list it yet
         data = (FrozenIteratorState(data_iterator)
-                if data_iterator is not None and _is_grain_iterator(data_iterator) else None)
+                if streams_lib.checkpointable(data_iterator) else None)
         self._worker.join()  # the previous save call has returned: one save in hand at most
         self._raise_worker_error()
         state = self._snapshots.take(state)  # dispatched; the next step may donate the state
@@ -171,7 +162,7 @@ class Checkpointer:
     def _save_now(self, step: int, state: Any, data_iterator: Any) -> None:
         """orbax's save call (on the loop, or on the save worker's thread)."""
         items = {"state": ocp.args.PyTreeSave(state)}
-        if data_iterator is not None and _is_grain_iterator(data_iterator):
+        if streams_lib.checkpointable(data_iterator):
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         self._wait_written()  # the previous save's error is that step's, not this one's
         try:
@@ -208,7 +199,7 @@ class Checkpointer:
 
     def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
         self._failed, self._pending = True, None
-        done = [s for s in _complete_steps(self.directory) if s != step]
+        done = [s for s in complete_steps(self.directory) if s != step]
         kept = (f"the latest complete checkpoint is still step {done[-1]}" if done
                 else "no checkpoint was saved")
         return CheckpointSaveError(
@@ -240,8 +231,8 @@ class Checkpointer:
     def check_compatible(self, step: int, abstract_state: Any) -> None:
         """Raise ShapeMismatchError naming the first parameter whose shape differs."""
         meta = self.manager.item_metadata(step)["state"]
-        saved = _flat_shapes(meta.get("params", {}) if hasattr(meta, "get") else meta["params"])
-        wanted = _flat_shapes(abstract_state["params"])
+        saved = flat_shapes(meta.get("params", {}) if hasattr(meta, "get") else meta["params"])
+        wanted = flat_shapes(abstract_state["params"])
         for name, shape in wanted.items():
             if name not in saved:
                 raise ShapeMismatchError(
@@ -268,7 +259,7 @@ class Checkpointer:
         """
         self.check_compatible(step, abstract_state)
         items = {"state": ocp.args.PyTreeRestore(
-            item=abstract_state, restore_args=_restore_args(abstract_state))}
+            item=abstract_state, restore_args=restore_args(abstract_state))}
         state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
         self.restore_data(step, data_iterator)
         return state
@@ -284,40 +275,20 @@ class Checkpointer:
         steps = sorted(self.manager.all_steps(), reverse=True)
         for i, step in enumerate(steps):
             try:
-                _check_data_item(self.directory / str(step))
+                streams_lib.saved_states(self.directory / str(step) / "data")  # parses
                 return step, self.restore(step, abstract_state)
             except (ShapeMismatchError, streams_lib.DataStateError):
                 raise
             except Exception as e:
-                _damaged(self.directory, step, e, steps[i + 1:])
+                report_damaged(self.directory, step, e, steps[i + 1:])
                 self._damaged.append(step)
         return None, None
 
     def restore_data(self, step: int, data_iterator: Any) -> bool:
-        """Restore ``data_iterator`` in place from ``step``. A global (data-stream) state is
-        read from every host's file of the saving run, so any host count resumes it; a
-        per-host state (streaming, an injected iterator) only from this layout's file."""
-        if data_iterator is None or not _is_grain_iterator(data_iterator):
-            return False
-        data_dir = self.directory / str(step) / "data"
-        saved = _saved_data_states(data_dir)
-        if not saved:
-            return False
-        fresh = data_iterator.get_state()
-        ours = isinstance(fresh, dict) and fresh.get("format") == streams_lib.FORMAT
-        state = streams_lib.global_state(saved, str(data_dir), jax.process_index(),
-                                         jax.process_count(), streams=ours)
-        if state is None:
-            args = ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(data_iterator))
-            self.manager.restore(step, args=args)
-            return True
-        try:
-            data_iterator.set_state(state)
-        except streams_lib.DataStateError as e:
-            raise streams_lib.DataStateError(f"{data_dir}: {e}") from None
-        if hasattr(data_iterator, "start_prefetch"):
-            data_iterator.start_prefetch()
-        return True
+        """Restore ``data_iterator`` in place from ``step``'s data item (``streams.restore``:
+        every host's file merged, so a data-stream state resumes on any host count)."""
+        return streams_lib.restore(data_iterator, self.directory / str(step) / "data",
+                                   jax.process_index(), jax.process_count())
 
     def _raise_worker_error(self) -> None:
         if self._worker is not None and self._worker.error is not None:
@@ -359,33 +330,11 @@ class Checkpointer:
                     raise
 
 
-def _complete_steps(directory: epath.Path) -> list[int]:
+def complete_steps(directory: epath.Path) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
 
 
-def _check_data_item(step_dir: epath.Path) -> None:
-    """Every host's grain iterator state parses (a zero-byte file would only fail later,
-    inside grain, after the train state was already restored)."""
-    _saved_data_states(step_dir / "data")
-
-
-_STATE_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")  # grain's per-process file name
-
-
-def _saved_data_states(data_dir: epath.Path) -> dict[tuple[int, int], Any]:
-    """``{(process, count): parsed state}`` of every data state file of a step; ``{}``
-    without a data item."""
-    if not data_dir.exists():
-        return {}
-    out: dict[tuple[int, int], Any] = {}
-    for path in sorted(data_dir.iterdir()):
-        m = _STATE_FILE.fullmatch(path.name)
-        if m:
-            out[int(m.group(1)), int(m.group(2))] = json.loads(path.read_text())
-    return out
-
-
-def _damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:
+def report_damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:
     """Warn, in one line, about a damaged step (the step used instead, the damaged one, the
     cause in a few words), or raise when no earlier one is left to fall back to."""
     step_dir = directory / str(step)
@@ -424,7 +373,7 @@ def damage_cause(e: BaseException) -> str:
     return f"{cause}: {name.group(1)}" if name and "/" not in name.group(1) else cause
 
 
-def _restore_args(abstract: Any) -> Any:
+def restore_args(abstract: Any) -> Any:
     """Restore every array onto the sharding, shape and dtype of its abstract leaf."""
     return jax.tree.map(
         lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
@@ -432,69 +381,11 @@ def _restore_args(abstract: Any) -> Any:
     )
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: hasattr(x, "shape") and not isinstance(x, dict)
     )[0]
     return {path_name(p): tuple(x.shape) for p, x in leaves}
-
-
-# ------------------------------------------------------------------- params only
-
-
-def restore_params(model_dir: str, abstract_params: Any, step: int | None = None) -> tuple:
-    """(params, step): only the parameters of a run, onto ``abstract_params``' shardings.
-
-    Works from a checkpoint saved on any mesh; the optimizer state is never read. Without
-    ``step``, a damaged latest step falls back to the previous complete one (warning);
-    a damaged requested ``step`` raises CheckpointDamagedError.
-    """
-    install_save_noise_filters()  # a damaged step's failed reads report like a failed save
-    local = "://" not in model_dir  # orbax wants absolute paths: a relative one read as damaged
-    directory = epath.Path(RunDir(os.path.abspath(model_dir) if local else model_dir).checkpoints)
-    steps = _complete_steps(directory)
-    if not steps:
-        raise FileNotFoundError(f"no complete checkpoint under {directory}")
-    if step is not None and step not in steps:
-        raise FileNotFoundError(f"checkpoint step {step} not in {directory} (have {steps})")
-    candidates = [step] if step is not None else steps[::-1]
-    for i, s in enumerate(candidates):
-        try:
-            return _restore_params_at(directory / str(s) / "state", abstract_params), s
-        except ShapeMismatchError:
-            raise
-        except Exception as e:
-            _damaged(directory, s, e, candidates[i + 1:])
-    raise AssertionError("unreachable")
-
-
-def _restore_params_at(path: epath.Path, abstract_params: Any) -> Any:
-    """The ``params`` subtree of one ``state`` item. Read through the item handler, not a
-    ``PyTreeCheckpointer``: the checkpointer looks for the step metadata
-    (``_CHECKPOINT_METADATA``) inside the item directory, where it never is (the manager
-    writes it one level up), and warns "Metadata file does not exist" on every restore."""
-    handler = ocp.PyTreeCheckpointHandler()
-    try:
-        meta = handler.metadata(path)
-        tree = meta.tree if hasattr(meta, "tree") else meta
-        saved = _flat_shapes(tree["params"])
-        for name, shape in _flat_shapes(abstract_params).items():
-            if saved.get(name) != tuple(shape):
-                raise ShapeMismatchError(
-                    f"{path}: parameter {name!r} has shape {saved.get(name)} but the model "
-                    f"wants {tuple(shape)}"
-                )
-        restored = handler.restore(
-            path,
-            args=ocp.args.PyTreeRestore(
-                item={"params": abstract_params},
-                restore_args={"params": _restore_args(abstract_params)},
-                partial_restore=True,
-            ),
-        )
-    finally:
-        handler.close()
-    return restored["params"]
 
 
 def tree_equal(a: Any, b: Any) -> bool:

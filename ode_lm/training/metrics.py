@@ -1,7 +1,8 @@
 """Metrics: clu aggregation, TensorBoard writers (with or without TensorFlow), MFU, progress.
 
-Values are read back from the device one step late so the host never waits on the step it
-has just dispatched. Only process 0 writes event files.
+Values are read back from the device one step late, by the loop's metrics hook
+(``hooks.StepReader``), so the host never waits on the step it has just dispatched. Only
+process 0 writes event files.
 """
 
 from __future__ import annotations
@@ -233,12 +234,13 @@ def tensorflow_available() -> bool:
     return True
 
 
-def create_writer(model_dir: str, process_index: int | None = None) -> MetricWriter:
-    """TensorBoard + jsonl writer under ``model_dir`` on process 0; a no-op elsewhere."""
+def create_writer(run: str | RunDir, process_index: int | None = None) -> MetricWriter:
+    """TensorBoard + jsonl writer in the run directory on process 0; a no-op elsewhere."""
     if (jax.process_index() if process_index is None else process_index) != 0:
         return MultiWriter([])
-    tb = CluWriter(model_dir) if tensorflow_available() else EventFileMetricWriter(model_dir)
-    return MultiWriter([tb, JsonlWriter(RunDir(model_dir).metrics)])
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    tb = CluWriter(run.path) if tensorflow_available() else EventFileMetricWriter(run.path)
+    return MultiWriter([tb, JsonlWriter(run.metrics)])
 
 
 def trim_after(jsonl_path: str, event_paths: list[str], step: int) -> int:
@@ -422,48 +424,3 @@ class MetricWindow:
         self._metrics, self._timed_steps, self._timed_seconds = None, 0, 0.0
         return progress_line(step, self.total_steps, values["loss"], tok_s,
                              mfu_value, 0.0 if step >= self.total_steps else left)
-
-
-class StepReader:
-    """The host side of finished steps, one step late: ``push`` a step's outputs right after
-    dispatching it and the previous step's are read (while this one runs); ``drain`` reads
-    the held step now (before a save, an eval, the end). Each read checks the NaN/Inf streak,
-    adds to the metric window and, on the log interval and the last step, logs it."""
-
-    def __init__(self, window: MetricWindow, writer: MetricWriter,
-                 print_fn: Callable[[str], None],
-                 *, log_every: int, total_steps: int, max_bad_steps: int,
-                 scalars: Callable[[int], dict[str, float]] | None = None):
-        """``scalars(step)``: more figures logged with each row (the data's, e.g. a
-        mixture's ``data/<component>/tokens``)."""
-        self.window, self.writer, self.print = window, writer, print_fn
-        self.scalars = scalars or (lambda step: {})
-        self.log_every, self.total_steps, self.max_bad_steps = log_every, total_steps, max_bad_steps
-        self.first_loss: float | None = None
-        self.last_loss: float | None = None
-        self._held: tuple[int, dict] | None = None  # (step, device outputs) not read yet
-
-    def push(self, step: int, outputs: dict) -> None:
-        """Step ``step`` was just dispatched: read the one before it, hold this one."""
-        self.drain(dispatched=step)
-        self._held = (step, outputs)
-
-    def drain(self, *, dispatched: int) -> None:
-        """Read the held step, if any (``dispatched``: steps dispatched so far)."""
-        if self._held is None:
-            return
-        (step, outputs), self._held = self._held, None
-        outputs = jax.device_get(outputs)
-        loss = float(outputs["loss"])
-        if self.first_loss is None:
-            self.first_loss = loss
-        self.last_loss = loss
-        if int(outputs["bad_streak"]) >= self.max_bad_steps:
-            raise FloatingPointError(
-                f"{int(outputs['bad_streak'])} consecutive steps had a NaN/Inf loss or "
-                f"gradient (last at step {step}); aborting. Lower the learning rate or "
-                "check the data."
-            )
-        self.window.add(outputs, dispatched=dispatched)
-        if step % self.log_every == 0 or step == self.total_steps:
-            self.print(self.window.log(step, self.writer, self.scalars(step)))

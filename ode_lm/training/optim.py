@@ -15,13 +15,20 @@ from typing import Any
 import jax
 import optax
 
-from ode_lm.config_types import check_types
+from ode_lm.config_types import (
+    check_types,
+    require,
+    require_at_least,
+    require_fraction,
+    require_positive,
+)
 from ode_lm.partitioning import path_name  # noqa: F401  (re-exported: optim.path_name)
 
 MaskPredicate = Callable[[str, Any], bool]
 
 # Parameters whose path matches this never get weight decay in the paper preset.
 PAPER_NO_DECAY_REGEX = r"(bias|scale|norm|embed|wte|wpe|position)"
+MASK_PRESETS = ("paper", "all", "none")  # OptimizerConfig.weight_decay_mask, or a regex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,12 +47,20 @@ class OptimizerConfig:
 
     def __post_init__(self):
         check_types(self)
-        if self.learning_rate <= 0:
-            raise ValueError(f"OptimizerConfig.learning_rate={self.learning_rate}: must be > 0")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"OptimizerConfig.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimizerConfig.warmup_steps={self.warmup_steps}: must be >= 0")
+        require_positive(self, "learning_rate", "eps")
+        require_at_least(self, 0, "warmup_steps", "weight_decay", "clip_norm")
+        require_fraction(self, "min_lr_ratio", closed=True)
+        require_fraction(self, "b1")
+        require_fraction(self, "b2")
+        mask = self.weight_decay_mask
+        if isinstance(mask, str) and mask not in MASK_PRESETS:
+            try:
+                re.compile(mask)
+            except re.error as e:
+                require(self, "weight_decay_mask", False,
+                        f"not {' / '.join(MASK_PRESETS)} nor a regex: {e}")
+        require(self, "weight_decay_mask", mask is None or isinstance(mask, str) or callable(mask),
+                "expected a preset, a regex of paths or a callable(path, leaf)")
 
 
 def paper_decay(path: str, leaf: Any) -> bool:

@@ -39,6 +39,18 @@ class PreemptionWatcher:
             signal.signal(signum, previous)
         self._previous = {}
 
+    def __enter__(self) -> PreemptionWatcher:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def __call__(self, info: Any) -> None:
+        """The trainer's hook, every step (``hooks.StepInfo``): a stop asked for becomes
+        ``info.stopped_by``, so the hooks after it save and the loop ends after this step."""
+        if self.should_stop(info.step):
+            info.stopped_by = self.reason
+
     def should_stop(self, step: int) -> bool:
         if self._event.is_set():
             return True

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
@@ -58,6 +58,17 @@ LOCK = "run.lock"
 EVENTS_PREFIX = "events.out.tfevents."
 
 _warned_legacy: set[str] = set()  # run dirs whose config.gin fallback was reported
+
+
+class ConfigRecord(Protocol):
+    """The run's operative config, from the config layer (gin: ``gin_setup.GinRecord``):
+    kept with the start's first checkpoint, shown in TensorBoard, compared on resume."""
+
+    def text(self) -> str: ...
+
+    def markdown(self, text: str) -> str: ...
+
+    def changes(self, old: str, new: str, model_dir: str | None = None) -> list[str]: ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""A saved run's model: the one way to load a run's parameters (``load_model``) and the one
+"""A saved run's model: the one way to load a run's parameters (``load_model``, through
+``restore_params``: the parameters only, from a checkpoint saved on any mesh) and the one
 loaded-run class (``LoadedRun``) that analysis, eval, export, sampling and fine-tuning use.
 """
 
@@ -9,6 +10,9 @@ import functools
 import os
 from collections.abc import Callable
 from typing import Any
+
+import orbax.checkpoint as ocp
+from etils import epath
 
 from ode_lm import partitioning
 from ode_lm.data.config import DataConfig
@@ -94,7 +98,7 @@ def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None
     model_fn = functools.partial(build_model, config)
     spec = state_lib.build_state_spec(model_fn, optax.identity(), mesh, rules)
     if finetune is None or finetune.get("method") != "lora":
-        params, step = ckpt_lib.restore_params(model_dir, spec.abstract_params, step)
+        params, step = restore_params(model_dir, spec.abstract_params, step)
     else:  # the checkpoint holds the wrapped model: restore it wrapped, then merge
         from flax import nnx
 
@@ -103,7 +107,7 @@ def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None
         wrapped = state_lib.build_state_spec(
             lora_model_fn(config, lora_spec_from_dict(finetune["lora"])), optax.identity(),
             mesh, rules)
-        lora_params, step = ckpt_lib.restore_params(model_dir, wrapped.abstract_params, step)
+        lora_params, step = restore_params(model_dir, wrapped.abstract_params, step)
         merged = merge_lora(wrapped.model(lora_params))
         params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding),
                               nnx.to_pure_dict(nnx.state(merged, nnx.Param)),
@@ -126,3 +130,58 @@ def load_run(model_dir: str, step: int | None = None, *,
     _, run = load_model(model_dir, step, mesh=mesh, rules=partitioning.axis_rules(),
                         read_run=read_run)
     return run
+
+
+def restore_params(model_dir: str, abstract_params: Any, step: int | None = None) -> tuple:
+    """(params, step): only the parameters of a run, onto ``abstract_params``' shardings.
+
+    Works from a checkpoint saved on any mesh; the optimizer state is never read. Without
+    ``step``, a damaged latest step falls back to the previous complete one (warning);
+    a damaged requested ``step`` raises CheckpointDamagedError.
+    """
+    ckpt_lib.install_save_noise_filters()  # a damaged step's failed reads report like a failed save
+    local = "://" not in model_dir  # orbax wants absolute paths: a relative one read as damaged
+    directory = epath.Path(RunDir(os.path.abspath(model_dir) if local else model_dir).checkpoints)
+    steps = ckpt_lib.complete_steps(directory)
+    if not steps:
+        raise FileNotFoundError(f"no complete checkpoint under {directory}")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"checkpoint step {step} not in {directory} (have {steps})")
+    candidates = [step] if step is not None else steps[::-1]
+    for i, s in enumerate(candidates):
+        try:
+            return _restore_params_at(directory / str(s) / "state", abstract_params), s
+        except ckpt_lib.ShapeMismatchError:
+            raise
+        except Exception as e:
+            ckpt_lib.report_damaged(directory, s, e, candidates[i + 1:])
+    raise AssertionError("unreachable")
+
+
+def _restore_params_at(path: epath.Path, abstract_params: Any) -> Any:
+    """The ``params`` subtree of one ``state`` item. Read through the item handler, not a
+    ``PyTreeCheckpointer``: the checkpointer looks for the step metadata
+    (``_CHECKPOINT_METADATA``) inside the item directory, where it never is (the manager
+    writes it one level up), and warns "Metadata file does not exist" on every restore."""
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        meta = handler.metadata(path)
+        tree = meta.tree if hasattr(meta, "tree") else meta
+        saved = ckpt_lib.flat_shapes(tree["params"])
+        for name, shape in ckpt_lib.flat_shapes(abstract_params).items():
+            if saved.get(name) != tuple(shape):
+                raise ckpt_lib.ShapeMismatchError(
+                    f"{path}: parameter {name!r} has shape {saved.get(name)} but the model "
+                    f"wants {tuple(shape)}"
+                )
+        restored = handler.restore(
+            path,
+            args=ocp.args.PyTreeRestore(
+                item={"params": abstract_params},
+                restore_args={"params": ckpt_lib.restore_args(abstract_params)},
+                partial_restore=True,
+            ),
+        )
+    finally:
+        handler.close()
+    return restored["params"]

@@ -25,8 +25,15 @@ from ode_lm import compat
 ModelFn = Callable[[nnx.Rngs], nnx.Module]
 TrainablePredicate = Callable[[str, Any], bool]
 # (abstract params with shardings) -> concrete params with those shardings; fine-tuning
-# injects one that loads a pretrained run (see ode_lm.training.checkpoint.restore_params).
+# injects one that loads a pretrained run (see ode_lm.training.saved_run.restore_params).
 InitParamsFn = Callable[[Any], Any]
+
+
+def default_model_fn(config: Any) -> ModelFn:
+    """The model fn of a ``ModelConfig``: ``models.build_model`` (imported when called)."""
+    from ode_lm.models import build_model
+
+    return lambda rngs: build_model(config, rngs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ def _save_run(model_dir: pathlib.Path, config: ModelConfig) -> None:
     from ode_lm.training import checkpoint as ckpt_lib
     from ode_lm.training import state as state_lib
     from ode_lm.training.run_dir import RunDir
-    from ode_lm.training.trainer import default_model_fn
+    from ode_lm.training.state import default_model_fn
 
     mesh = partitioning.create_mesh((1, 1, 1), devices=[jax.devices("cpu")[0]])
     spec = state_lib.build_state_spec(default_model_fn(config), optax.identity(), mesh,

@@ -1,6 +1,7 @@
-"""Bad input to every ode-lm command: exit 2 (the command line does not parse) or 1 (the run
-failed), one line `ode-lm <command>: error: ...` on stderr naming the flag, file or value,
-no traceback, and an existing MODEL_DIR and DATA_DIR byte-for-byte unchanged.
+"""Bad input to every ode-lm command: exit 2 (the command line does not parse, or a config
+class refuses a setting) or 1 (the run failed), one line `ode-lm <command>: error: ...` on
+stderr naming the flag, file or value, no traceback, and an existing MODEL_DIR and DATA_DIR
+byte-for-byte unchanged.
 
 Each case is a real subprocess (what a user sees, C++ and absl output included) against one
 small trained run and its prepared data dir, both hashed before and after every case.
@@ -64,7 +65,9 @@ EXPORT = ["export", "--model_dir={MODEL}", "--out={WORK}/export_new"]
 ANALYZE = ["analyze", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--text=The ODE",
            "--data_dir={DATA}"]
 AOT = ["aot", "--gin_file=configs/runs/demo.gin"]
-USAGE, FAILED = 2, 1  # exit status: the command line does not parse / the run failed
+# exit status: the command line does not parse or a config class refuses a setting / the run
+# failed (every config field's refusal: tests/cli/test_settings.py)
+USAGE, FAILED = 2, 1
 
 # case id -> (ode-lm argv, text the one error line must contain, exit status)
 CASES: dict[str, tuple[list[str], str, int]] = {
@@ -76,9 +79,11 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                 FAILED),
     "train: misspelled macro": ([*TRAIN, "--gin.ODE_STEP=8"], "ODE_STEP", FAILED),
     "train: float step count": ([*TRAIN, "--gin.TRAIN_STEPS=1.5"], "num_train_steps=1.5",
-                                FAILED),
-    "train: zero step count": ([*TRAIN, "--gin.TRAIN_STEPS=0"], "num_train_steps=0", FAILED),
-    "train: unknown solver": ([*TRAIN, "--gin.ModelConfig.solver='rk5'"], "rk5", FAILED),
+                                USAGE),
+    "train: zero step count": ([*TRAIN, "--gin.TRAIN_STEPS=0"], "num_train_steps=0", USAGE),
+    "train: unknown solver": ([*TRAIN, "--gin.ModelConfig.solver='rk5'"], "rk5", USAGE),
+    "train: unknown eval solver": ([*TRAIN, "--gin.TrainConfig.eval_solver='rk5'"],
+                                   "TrainConfig.eval_solver='rk5'", USAGE),
     "train: unknown flag": ([*TRAIN, "--bogus_flag"], "--bogus_flag", USAGE),
     "train: abbreviated flag": ([*TRAIN, "--gin_bind=x = 1"], "--gin_bind", USAGE),
     "train: bad step choices": ([*TRAIN, "--gin.RandomSteps.choices=(0, 2)"],
@@ -91,7 +96,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
         [*TRAIN, "--gin.DataConfig.holdout_fraction=0.5"], "holdout_fraction", FAILED),
     "train: mixture components disagree": (
         [*TRAIN, "--gin.DataConfig.mixture={{'a': 'builtin', 'b': {{'source': 'builtin', "
-         "'seq_len': 64}}}}"], "components 'a' and 'b' disagree on seq_len", FAILED),
+         "'seq_len': 64}}}}"], "components 'a' and 'b' disagree on seq_len", USAGE),
     "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128",
                                                      FAILED),
     "train: binding syntax": ([*TRAIN, "--gin_bindings=ModelConfig.d_model = = 3"],
@@ -128,8 +133,8 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     # finetune
     "finetune: no pretrained run": ([*FINETUNE, "--gin.PRETRAINED_DIR={WORK}/nope"], "nope",
                                     FAILED),
-    "finetune: zero steps": ([*FINETUNE, "--gin.FINETUNE_STEPS=0"], "FINETUNE_STEPS=0", FAILED),
-    "finetune: unknown method": ([*FINETUNE, "--gin.METHOD='qlora'"], "qlora", FAILED),
+    "finetune: zero steps": ([*FINETUNE, "--gin.FINETUNE_STEPS=0"], "FINETUNE_STEPS=0", USAGE),
+    "finetune: unknown method": ([*FINETUNE, "--gin.METHOD='qlora'"], "qlora", USAGE),
     "finetune: no gin file": (["finetune", "--gin.METHOD=lora"], "--gin_file", USAGE),
     # prepare
     "prepare: no such source": ([*PREPARE, "--source={WORK}/nope.jsonl",
@@ -140,7 +145,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "prepare: unknown tokenizer": ([*PREPARE, "--tokenizer=nope:1",
                                     "--data_dir={WORK}/data_new"], "nope:1", FAILED),
     "prepare: holdout above 1": ([*PREPARE, "--holdout_fraction=1.5",
-                                  "--data_dir={WORK}/data_new"], "holdout_fraction", FAILED),
+                                  "--data_dir={WORK}/data_new"], "holdout_fraction", USAGE),
     "prepare: holdout not a number": ([*PREPARE, "--holdout_fraction=half",
                                        "--data_dir={WORK}/data_new"],
                                       "argument --holdout_fraction: invalid float value", USAGE),
@@ -173,7 +178,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "aot: unknown topology": ([*AOT, "--topology=v9x-8"], "v9x", FAILED),
     "aot: missing gin file": (["aot", "--gin_file={WORK}/nope.gin", "--topology=v5e:2x2"],
                               "nope.gin", FAILED),
-    "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", FAILED),
+    "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", USAGE),
     "aot: abbreviated flag": ([*AOT, "--topology=v5e:2x2", "--step=1"], "--step=1", USAGE),
     # bench, sweep, scaling-report
     "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),

@@ -88,9 +88,9 @@ def test_cli_modules_leave_through_exit_process(module):
 def test_gin_call_suffix_is_stripped_unless_verbose(monkeypatch, capsys):
     monkeypatch.setattr(distributed, "initialize", lambda *a, **k: None)
     argv = ["--gin_file=runs/demo.gin", "--gin.ODE_STEPS=0"]
-    assert train_cli.main(argv) == 1
+    assert train_cli.main(argv) == 2  # a setting ModelConfig refuses: exit 2, no --help
     assert _err(capsys) == "ode-lm-train: error: ModelConfig.num_steps=0: must be >= 1"
-    assert train_cli.main([*argv, "--verbose"]) == 1
+    assert train_cli.main([*argv, "--verbose"]) == 2
     err = _err(capsys)
     assert "ModelConfig.num_steps=0: must be >= 1" in err
     assert "In call to configurable 'ModelConfig'" in err

@@ -122,12 +122,12 @@ def test_full_continuous_finetune_at_new_depth(tmp_path, pretrained, corpus, cap
     assert config.architecture == "ode" and config.num_steps == 4
 
 
-@pytest.mark.parametrize("flag,message,counted", [
-    ("--gin.TrainConfig.log_every=0", "TrainConfig.log_every=0: must be >= 1", False),
-    ("--gin.StepConfig.microbatches=3", "not divisible by batch shards x", True),
+@pytest.mark.parametrize("flag,message,counted,status", [  # 2: a setting refused when built
+    ("--gin.TrainConfig.log_every=0", "TrainConfig.log_every=0: must be >= 1", False, 2),
+    ("--gin.StepConfig.microbatches=3", "not divisible by batch shards x", True, 1),
 ])
 def test_a_finetune_that_fails_before_its_first_step_leaves_model_dir_as_found(
-        tmp_path, pretrained, corpus, capsys, flag, message, counted):
+        tmp_path, pretrained, corpus, capsys, flag, message, counted, status):
     """An error found after the command line parsed (a bad gin value read when the configs
     are built; a setting the trainer refuses, after the pretrained run was checked and its
     parameters counted) leaves a new MODEL_DIR as it found it: absent stays absent, empty
@@ -136,7 +136,7 @@ def test_a_finetune_that_fails_before_its_first_step_leaves_model_dir_as_found(
     empty.mkdir()
     for out in (absent, empty):
         gin = _gin(tmp_path, pretrained, corpus, str(out))
-        assert ft.main([f"--gin_file={gin}", flag]) == 1
+        assert ft.main([f"--gin_file={gin}", flag]) == status
         captured = capsys.readouterr()
         assert ("fine-tuning" in captured.out) == counted  # as far as the parameter count
         assert message in captured.err
@@ -145,16 +145,17 @@ def test_a_finetune_that_fails_before_its_first_step_leaves_model_dir_as_found(
 
 
 def test_bad_inputs(tmp_path, pretrained, corpus, capsys):
-    def err(**over):
+    def err(status=1, **over):  # 2: a setting FinetuneConfig refuses when built
         out = str(tmp_path / f"bad{len(os.listdir(tmp_path))}")
-        assert ft.main([f"--gin_file={_gin(tmp_path, pretrained, corpus, out, **over)}"]) == 1
+        gin = _gin(tmp_path, pretrained, corpus, out, **over)
+        assert ft.main([f"--gin_file={gin}"]) == status
         text = capsys.readouterr().err.strip()
         assert "\n" not in text
         return text
 
-    assert "FINETUNE_STEPS=0: must be a positive" in err(M=0)
-    assert "FINETUNE_STEPS=-1" in err(M=-1)
-    assert "METHOD='qlora'" in err(METHOD="qlora")
+    assert "FINETUNE_STEPS=0: must be a positive" in err(2, M=0)
+    assert "FINETUNE_STEPS=-1" in err(2, M=-1)
+    assert "METHOD='qlora'" in err(2, METHOD="qlora")
     assert "LoRA target(s) ['attention'] match no linear layer" in err(TARGETS="('attention',)")
     empty = tmp_path / "empty_run"
     empty.mkdir()

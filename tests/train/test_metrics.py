@@ -160,26 +160,29 @@ class _Window:
 def test_step_reader_reads_one_step_late_and_drains_before_saves():
     import numpy as np
 
-    from ode_lm.training.metrics import StepReader
+    from ode_lm.training.hooks import Hooks, StepInfo, StepReader
 
     window, lines = _Window(), []
-    reader = StepReader(window, None, lines.append, log_every=2, total_steps=3, max_bad_steps=2)
+    reader = StepReader(window, None, lines.append, max_bad_steps=2)
+    hooks = Hooks()  # as the trainer registers them: read every step, log every 2nd
+    hooks.add(reader.read, every=1)
+    hooks.add(reader.log, every=2)
 
-    def out(loss, bad=0):
-        return {"loss": np.float32(loss), "bad_streak": np.int32(bad)}
+    def step(n, loss, bad=0):
+        hooks.run(StepInfo(n, 3, None, {"loss": np.float32(loss), "bad_streak": np.int32(bad)}))
 
-    reader.push(1, out(5.0))
+    step(1, 5.0)
     assert window.added == []  # step 1 is held while step 2 would run
-    reader.push(2, out(4.0))
+    step(2, 4.0)
     assert window.added == [(5.0, 2)]  # read when step 2 was dispatched
     reader.drain(dispatched=2)  # e.g. before a checkpoint of step 2
     reader.drain(dispatched=2)  # nothing held: no second read
-    reader.push(3, out(3.0))
+    step(3, 3.0)
     reader.drain(dispatched=3)
     assert window.added == [(5.0, 2), (4.0, 2), (3.0, 3)]
     assert window.logged == [2, 3] and lines == ["line 2", "line 3"]  # interval + last step
     assert (reader.first_loss, reader.last_loss) == (5.0, 3.0)
-    reader.push(4, out(float("nan"), bad=2))
+    reader.push(4, {"loss": np.float32(float("nan")), "bad_streak": np.int32(2)})
     with pytest.raises(FloatingPointError, match=r"2 consecutive steps .* \(last at step 4\)"):
         reader.drain(dispatched=4)
 

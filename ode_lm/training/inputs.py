@@ -1,0 +1,79 @@
+"""The trainer's data step: the default data prepared once on a pod (process 0 first, one
+barrier) and checked against the model before any step, and the default train and eval
+batches (``ode_lm.data``'s pipelines, as global arrays sharded over the batch)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+from ode_lm.models.config import ModelConfig
+
+# The input side, injectable so fine-tuning or tests can bring their own batches.
+# train: (data_config, mesh, rules, start_step) -> (checkpointable iterator or None, batches)
+TrainData = Callable[..., tuple[Any, Iterator[dict]]]
+# eval: (data_config, mesh, rules) -> iterable of global batches (finite, loss-masked)
+EvalData = Callable[..., Any]
+
+def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = None) -> dict:
+    """``ensure_prepared`` for a multi-host job: process 0 prepares the (shared) DATA_DIR
+    while the others wait at a barrier, so hosts never race to write the same shards; a
+    host that still finds no manifest afterwards (a per-host local DATA_DIR) prepares its
+    own copy. Returns the manifest."""
+    from ode_lm import data as data_lib
+
+    if jax.process_count() > 1:
+        if jax.process_index() == 0:
+            data_lib.ensure_prepared(data_config)
+        if sync is None:
+            from jax.experimental import multihost_utils
+
+            sync = multihost_utils.sync_global_devices
+        sync("ode_lm: data prepared by process 0")
+    return data_lib.ensure_prepared(data_config)
+
+
+def default_train_data(data_config: Any, mesh, rules, start_step: int):
+    """The grain train pipeline of ode_lm.data over the prepared DATA_DIR (the trainer's data
+    step has run ``prepare_data_once``), as global arrays sharded over the batch."""
+    from ode_lm import data as data_lib
+
+    iterator = data_lib.make_train_iterator(data_config, start_step=start_step)
+    return iterator, (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
+
+
+def data_scalars(data_config: Any) -> Callable[[int], dict[str, float]]:
+    """The data's figures after a step (a mixture: ``data/<component>/tokens``, cumulative,
+    a pure function of the config and the step; else none)."""
+    from ode_lm import data as data_lib
+
+    return data_lib.TokenCount(data_config)
+
+
+def default_eval_data(data_config: Any, mesh, rules):
+    """Every validation batch once (padded, loss-masked), as global arrays."""
+    from ode_lm import data as data_lib
+
+    iterator = data_lib.make_eval_iterator(data_config)
+    return (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
+
+
+def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
+                evaluate: bool = True) -> int | None:
+    """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
+    the default eval data) the validation split holds at least one eval batch (returned:
+    their number), from the manifest alone (``prepare_data_once`` has checked the data dir
+    itself)."""
+    from ode_lm import data as data_lib
+
+    if manifest["vocab_size"] > model_config.vocab_size:
+        raise ValueError(
+            f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
+        )
+    if evaluate:  # the eval batches, for the eval's progress line
+        return data_lib.check_eval_split(data_config, manifest)
+    return None
+
