@@ -22,8 +22,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ode_lm.config_types import check_types
-from ode_lm.models import solvers as solvers_lib
+from ode_lm.config_types import (
+    check_types,
+    require,
+    require_at_least,
+    require_one_of,
+    require_positive,
+)
+from ode_lm.errors import SettingError
+from ode_lm.models.config import SOLVERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,18 +112,14 @@ def draw(key: jax.Array, choices: Sequence[int], weights: Sequence[float] = ()) 
     return jnp.asarray(choices, jnp.int32)[pick]
 
 
-def _positive_ints(owner: str, field: str, values: tuple) -> tuple[int, ...]:
-    values = tuple(values)
-    if not values or any(not isinstance(n, int) or isinstance(n, bool) or n < 1
-                         for n in values):
-        raise ValueError(f"{owner}.{field}={values!r}: expected a non-empty tuple of "
-                         "positive ints")
-    return values
+def _positive_ints(config: Any, field: str) -> None:
+    values = getattr(config, field)
+    require(config, field, bool(values) and all(n >= 1 for n in values),
+            "expected a non-empty tuple of positive ints")
 
 
-def _share(owner: str, value: float) -> None:
-    if not 0 < value <= 1:
-        raise ValueError(f"{owner}.share={value}: must be in (0, 1]")
+def _share(config: Any) -> None:
+    require(config, "share", 0 < config.share <= 1, "must be in (0, 1]")
 
 
 # fold_in ids of the in-program draws, apart from the microbatch indices 0..k-1
@@ -136,12 +139,11 @@ class RandomSteps(Term):
 
     def __post_init__(self):
         check_types(self)
-        object.__setattr__(self, "choices", _positive_ints("RandomSteps", "choices",
-                                                            self.choices))
+        _positive_ints(self, "choices")
         w = self.weights
-        if w and (len(w) != len(self.choices) or not all(x >= 0 for x in w) or not sum(w) > 0):
-            raise ValueError(f"RandomSteps.weights={w!r}: expected one weight >= 0 per "
-                             f"choice {self.choices!r}, not all zero")
+        require(self, "weights", not w or (len(w) == len(self.choices)
+                                           and all(x >= 0 for x in w) and sum(w) > 0),
+                f"expected one weight >= 0 per choice {self.choices!r}, not all zero")
 
     def main_solve(self, solve, choice, key):
         n = draw(jax.random.fold_in(key, NUM_STEPS_STREAM), self.choices, self.weights)
@@ -161,11 +163,10 @@ class KineticEnergy(Term):
 
     def __post_init__(self):
         check_types(self)
-        if not self.weight >= 0:
-            raise ValueError(f"KineticEnergy.weight={self.weight}: must be >= 0")
-        if self.final is not None and (not self.final >= 0 or self.ramp_steps < 1):
-            raise ValueError(f"KineticEnergy.final={self.final}: must be >= 0, with "
-                             f"ramp_steps >= 1 (got {self.ramp_steps})")
+        require_at_least(self, 0.0, "weight", "final")
+        require_at_least(self, 0, "ramp_steps")
+        require(self, "ramp_steps", self.final is None or self.ramp_steps >= 1,
+                "must be >= 1 when KineticEnergy.final is set")
 
     def weight_at(self, step: jax.Array) -> jax.Array:
         w0 = jnp.float32(self.weight)
@@ -194,11 +195,9 @@ class Distillation(Term):
 
     def __post_init__(self):
         check_types(self)
-        object.__setattr__(self, "num_steps", _positive_ints("Distillation", "num_steps",
-                                                             self.num_steps))
-        if not self.weight > 0:
-            raise ValueError(f"Distillation.weight={self.weight}: must be > 0")
-        _share("Distillation", self.share)
+        _positive_ints(self, "num_steps")
+        require_positive(self, "weight")
+        _share(self)
 
     def variants(self):
         return (True,) if self.share >= 1 else (False, True)
@@ -237,12 +236,9 @@ class SolverShare(Term):
 
     def __post_init__(self):
         check_types(self)
-        _share("SolverShare", self.share)
-        if self.solver not in solvers_lib.SOLVERS:
-            raise ValueError(f"SolverShare.solver={self.solver!r}: expected one of "
-                             f"{solvers_lib.SOLVERS}")
-        if self.num_steps < 1:
-            raise ValueError(f"SolverShare.num_steps={self.num_steps}: must be >= 1")
+        _share(self)
+        require_one_of(self, "solver", SOLVERS)
+        require_at_least(self, 1, "num_steps")
 
     def variants(self):
         return (False, True) if self.share < 1 else (True,)
@@ -271,7 +267,7 @@ class Objective:
     def __post_init__(self):
         names = [t.name for t in self.terms]
         if len(set(names)) != len(names):
-            raise ValueError(f"StepConfig.terms: each term at most once, got {names}")
+            raise SettingError(f"StepConfig.terms={names}: each term at most once")
 
     def variant(self, seed: int, step: int) -> tuple[Choice, ...]:
         """This step's compiled variant: every term's host draw."""

@@ -21,9 +21,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ode_lm.config_types import check_types
+from ode_lm.config_types import check_types, require, require_at_least, require_one_of
 from ode_lm.data.packing import BATCH_KEYS
 from ode_lm.models import solvers as solvers_lib
+from ode_lm.models.config import SOLVERS
 from ode_lm.partitioning import batch_sharding, logical_to_mesh
 from ode_lm.training import objective as objective_lib
 from ode_lm.training.state import StateSpec
@@ -48,22 +49,15 @@ class StepConfig:
 
     def __post_init__(self):
         check_types(self)
-        if self.microbatches < 1:
-            raise ValueError(f"StepConfig.microbatches={self.microbatches}: must be >= 1")
-        if self.num_steps is not None and self.num_steps < 1:
-            raise ValueError(f"StepConfig.num_steps={self.num_steps}: must be >= 1")
+        require_at_least(self, 1, "microbatches", "num_steps")
         if self.solver is not None:
-            try:
-                solvers_lib.check_solver(self.solver)
-            except ValueError as e:
-                raise ValueError(f"StepConfig.{e}") from None
-        for term in self.terms:
-            if not isinstance(term, objective_lib.Term):
-                raise ValueError(f"StepConfig.terms: {term!r} is not a training-objective term "
-                                 f"(one of {[t.__name__ for t in objective_lib.TERMS]})")
-        if self.num_steps is not None and any(
-                isinstance(t, objective_lib.RandomSteps) for t in self.terms):
-            raise ValueError("StepConfig: set num_steps or a RandomSteps term, not both")
+            require_one_of(self, "solver", SOLVERS)
+        require(self, "terms", all(isinstance(t, objective_lib.Term) for t in self.terms),
+                f"expected training-objective terms "
+                f"({', '.join(t.__name__ for t in objective_lib.TERMS)})")
+        require(self, "num_steps", self.num_steps is None or not any(
+            isinstance(t, objective_lib.RandomSteps) for t in self.terms),
+            "set num_steps or a RandomSteps term, not both")
         object.__setattr__(self, "objective", objective_lib.Objective(self.terms))
 
 

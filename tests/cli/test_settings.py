@@ -4,7 +4,8 @@ naming the field (and the value), before the trainer is built (so before any com
 
 ``BAD`` names every field of every class in it: a class that gains a field fails
 ``test_the_table_names_every_field`` until the field is listed with a value it refuses.
-A new config class is one more entry (``StepConfig`` is checked in its own module's tests).
+A new config class is one more entry; the training objective's terms are config classes
+too (the run lists all four, so each is built).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
 from ode_lm.training.config import MeshConfig, TrainConfig
+from ode_lm.training.objective import Distillation, KineticEnergy, RandomSteps, SolverShare
 from ode_lm.training.optim import OptimizerConfig
+from ode_lm.training.step import StepConfig
 
 # class -> {field: a value it refuses, as gin text}; '{FILE}' is an existing file and
 # '{WORK}' a scratch directory. A value of (gin text, words the error line holds) is for a
@@ -71,7 +74,18 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
         "weight_decay_mask": ("'(unclosed'", "weight_decay_mask='(unclosed': not paper"),
         "clip_norm": "-1.0",
     },
+    StepConfig: {
+        "microbatches": "0", "num_steps": "0", "solver": "'rk5'", "dropout": "'yes'",
+        "terms": ("('kinetic',)", "StepConfig.terms=('kinetic',)"),
+    },
+    RandomSteps: {"choices": "(0, 2)", "weights": "(1.0,)"},
+    KineticEnergy: {"weight": "-1.0", "final": "-1.0", "ramp_steps": "-1"},
+    Distillation: {"weight": "0.0", "num_steps": "(0,)", "share": "0.0"},
+    SolverShare: {"share": "1.5", "solver": "'rk5'", "num_steps": "0"},
 }
+# every term listed, so each term class is built from its bindings
+TERMS_GIN = ("\nStepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), "
+             "@SolverShare()]\n")
 # fields the configs set through a macro (gin refuses a second name for them)
 MACROS = {(TrainConfig, "model_dir"): "MODEL_DIR", (TrainConfig, "num_train_steps"): "TRAIN_STEPS"}
 CASES = [(cls, field) for cls, fields in BAD.items() for field in fields]
@@ -85,7 +99,7 @@ class ReachedTheTrainer(AssertionError):
 def work(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("settings")
     (work / "run.gin").write_text(micro_cli_gin(work / "data", work / "run", train_steps=2,
-                                                ici="(-1, 1, 1)"))
+                                                ici="(-1, 1, 1)") + TERMS_GIN)
     (work / "a_file").write_text("not a directory")
     return work
 

@@ -108,7 +108,7 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.SolverShare(share=1.5), "SolverShare.share"),
     (lambda: obj.SolverShare(solver="rk5"), "rk5"),
     (lambda: obj.SolverShare(num_steps=0), "SolverShare.num_steps"),
-    (lambda: step_lib.StepConfig(terms=("kinetic",)), "not a training-objective term"),
+    (lambda: step_lib.StepConfig(terms=("kinetic",)), "expected training-objective terms"),
     (lambda: step_lib.StepConfig(num_steps=4, terms=(obj.RandomSteps(),)), "not both"),
     (lambda: step_lib.StepConfig(terms=(obj.KineticEnergy(), obj.KineticEnergy())),
      "at most once"),
