@@ -3,6 +3,9 @@
 Values are read back from the device one step late, by the loop's metrics hook
 (``hooks.StepReader``), so the host never waits on the step it has just dispatched. Only
 process 0 writes event files.
+
+Longer than ~400 lines on purpose: the whole way of a train figure, from the step's outputs
+(the window) through its writers to the trim on resume and the progress line, in one place.
 """
 
 from __future__ import annotations
