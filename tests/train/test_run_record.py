@@ -140,7 +140,8 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
 # ------------------------------------------------------------------ 1. Ctrl-C
 
 
-def _interrupt(work: Path, name: str, presses: int) -> tuple[subprocess.Popen, str, str, Path]:
+def _interrupt(work: Path, name: str, presses: int, gap: float = 0.01
+               ) -> tuple[subprocess.Popen, str, str, Path]:
     model = work / name
     gin = _gin(work, name, model, 100_000, "CheckpointConfig.save_every = 100_000\n")
     proc = _start(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}"])
@@ -152,7 +153,7 @@ def _interrupt(work: Path, name: str, presses: int) -> tuple[subprocess.Popen, s
         time.sleep(0.05)
     for _ in range(presses):
         proc.send_signal(signal.SIGINT)
-        time.sleep(0.01)
+        time.sleep(gap)
     out, err = proc.communicate(timeout=300)
     return proc, out, err, model
 
@@ -171,6 +172,11 @@ def test_ctrl_c_saves_at_the_next_step_and_exits_130(work, finished):
 @slow
 def test_second_ctrl_c_stops_at_once_in_one_line(work, finished):
     proc, out, err, model = _interrupt(work, "ctrl_c_twice", 2)
+    if not _lines(err) and "stopped by Ctrl-C" in out:
+        # Two presses that arrive while the main thread is inside one XLA call reach Python
+        # as one signal (CPython runs a handler once per trip); a loaded host makes that
+        # likely. That run stopped as for one press: press twice again, further apart.
+        proc, out, err, model = _interrupt(work, "ctrl_c_twice_again", 2, gap=0.1)
     assert proc.returncode == 130, err[-3000:]
     lines = _lines(err)
     assert len(lines) == 1 and "Ctrl-C" in lines[0] and "Traceback" not in err, err
