@@ -216,17 +216,16 @@ def test_trainer_writes_lm_eval_scalars_every_eval(tmp_path):
 
 
 def test_bad_train_config_lm_eval_values_stop_before_training(tmp_path):
-    """The gin layer builds the lm-eval hook (and checks its values) before any step; a
-    trainer handed lm-eval tasks without the hook refuses them rather than skip them."""
-    from ode_lm.gin_setup import in_loop_evals
+    """TrainConfig checks the lm-eval values when it is built, before any step; a trainer
+    handed lm-eval tasks without the hook refuses them rather than skip them."""
     from ode_lm.training.trainer import TrainConfig, Trainer
 
-    with pytest.raises(FileNotFoundError, match="TrainConfig.lm_eval_include_path=/nowhere"):
-        in_loop_evals(TrainConfig(model_dir=str(tmp_path), num_train_steps=1,
-                                  lm_eval_tasks=("x",), lm_eval_include_path="/nowhere"))
+    with pytest.raises(ValueError, match="TrainConfig.lm_eval_include_path='/nowhere'"):
+        TrainConfig(model_dir=str(tmp_path), num_train_steps=1, lm_eval_tasks=("x",),
+                    lm_eval_include_path="/nowhere")
     with pytest.raises(ValueError, match="TrainConfig.lm_eval_limit=0"):
-        in_loop_evals(TrainConfig(model_dir=str(tmp_path), num_train_steps=1,
-                                  lm_eval_tasks=("x",), lm_eval_limit=0))
+        TrainConfig(model_dir=str(tmp_path), num_train_steps=1, lm_eval_tasks=("x",),
+                    lm_eval_limit=0)
     cfg = TrainConfig(model_dir=str(tmp_path / "run"), num_train_steps=1, lm_eval_tasks=("x",))
     with pytest.raises(ValueError, match="TrainConfig.lm_eval_tasks: the trainer runs"):
         Trainer(model_config=tiny_config("gpt2", vocab_size=384), train_config=cfg,
