@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from ode_lm.config_types import (
     check_types,
@@ -255,7 +256,49 @@ class SolverShare(Term):
         return jnp.zeros(()), {"solver_share": jnp.float32(bool(choice))}
 
 
-TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare)
+SOLVER_LOSS_STREAM = 0x534F4C56  # the second solve's grid offset ("SOLV")
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverLoss(Term):
+    """On a drawn ``share`` of the steps, a second solve of the same batch with ``solver`` at
+    ``num_steps`` adds its data loss, ``weight``·CE: the exact flow is trained beside
+    Euler's grid, and unlike ``SolverShare`` the main solve keeps every step."""
+
+    weight: float = 1.0
+    share: float = 0.1
+    solver: str = "rk4"
+    num_steps: int = 2
+    name: ClassVar[str] = "solver_loss"
+
+    def __post_init__(self):
+        check_types(self)
+        require_positive(self, "weight")
+        _share(self)
+        require_one_of(self, "solver", SOLVERS)
+        require_at_least(self, 1, "num_steps")
+
+    def variants(self):
+        return (False, True) if self.share < 1 else (True,)
+
+    def choose(self, seed, step):
+        return self.share >= 1 or self._uniform(seed, step) < self.share
+
+    def loss(self, inputs, choice):
+        if not choice:
+            return jnp.zeros(()), {}
+        key = jax.random.fold_in(inputs.key, SOLVER_LOSS_STREAM)
+        logits = inputs.forward(self.num_steps, self.solver, None, key)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, inputs.batch["targets"])
+        ce = jnp.sum(ce * inputs.mask()) / inputs.num_tokens
+        return self.weight * ce, {"solver_loss": ce * inputs.microbatches}
+
+    def extra_forwards(self, choice):
+        return ((self.num_steps, self.solver),) if choice else ()
+
+
+TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare,
+                                 SolverLoss)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,13 @@ from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
 from ode_lm.training.config import MeshConfig, TrainConfig
-from ode_lm.training.objective import Distillation, KineticEnergy, RandomSteps, SolverShare
+from ode_lm.training.objective import (
+    Distillation,
+    KineticEnergy,
+    RandomSteps,
+    SolverLoss,
+    SolverShare,
+)
 from ode_lm.training.optim import OptimizerConfig
 from ode_lm.training.step import StepConfig
 
@@ -82,10 +88,11 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
     KineticEnergy: {"weight": "-1.0", "final": "-1.0", "ramp_steps": "-1"},
     Distillation: {"weight": "0.0", "num_steps": "(0,)", "share": "0.0"},
     SolverShare: {"share": "1.5", "solver": "'rk5'", "num_steps": "0"},
+    SolverLoss: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0"},
 }
 # every term listed, so each term class is built from its bindings
 TERMS_GIN = ("\nStepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), "
-             "@SolverShare()]\n")
+             "@SolverShare(), @SolverLoss()]\n")
 # fields the configs set through a macro (gin refuses a second name for them)
 MACROS = {(TrainConfig, "model_dir"): "MODEL_DIR", (TrainConfig, "num_train_steps"): "TRAIN_STEPS"}
 CASES = [(cls, field) for cls, fields in BAD.items() for field in fields]
