@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from ode_lm import cli
 from ode_lm.data.config import DataConfig
+from ode_lm.errors import UsageError
 
 # What the demo's eval reads (configs/runs/demo.gin: DataConfig.eval_max_batches; its model,
 # configs/models/tiny.gin: BATCH_SIZE, SEQ_LEN; tests/input/test_data_prepare.py checks these
@@ -87,6 +89,10 @@ def run(args: argparse.Namespace, prog: str = "ode-lm prepare") -> int:
     from ode_lm.data.manifest import MANIFEST, manifest_path
     from ode_lm.data.prepare import prepare
 
+    if args.num_proc is not None and args.num_proc < 1:
+        raise UsageError(f"--num_proc={args.num_proc}: must be >= 1")
+    if args.data_dir and os.path.isfile(args.data_dir):
+        raise NotADirectoryError(f"--data_dir={args.data_dir}: is a file, not a directory")
     delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \
         else None
     cfg = DataConfig(data_dir=args.data_dir, source=args.source, tokenizer=args.tokenizer,
