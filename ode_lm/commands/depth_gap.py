@@ -10,7 +10,9 @@ own solver and N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in Tenso
 bold, RK4 N=8, adaptive rtol 1e-3, tokens/s; its last eval, or the one at STEP); ``plot``
 draws the gap against the training step. Each run's own solver and N are its
 ``model_config.json``'s, and every figure is looked up by its name
-(``training.metric_names``). The tables of docs/depth.md are printed with it.
+(``training.metric_names``). The tables of docs/depth.md are printed with it. A run with no
+eval yet, or whose evals measured only its own solver and N, is refused in one line (exit 1,
+no chart written): it has no gap to show.
 ``ode-lm depth-report`` re-evaluates one checkpoint at every N and solver instead.
 """
 
