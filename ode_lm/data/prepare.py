@@ -199,8 +199,8 @@ def _existing(root: epath.Path) -> tuple[epath.Path, set[str] | None]:
     """What a failed run must leave: the topmost directory it would create (removed whole),
     or, for a data dir that exists, the paths already in it (anything else is removed)."""
     top = root
-    while not top.parent.exists() and top.parent != top:
-        top = top.parent
+    while _is_local(root) and not top.parent.exists() and top.parent != top:
+        top = top.parent  # (on gs:// a "directory" is a prefix: only the data dir itself)
     if not root.exists():
         return top, None
     return root, {os.fspath(p.relative_to(root)) for p in _walk(root)}
