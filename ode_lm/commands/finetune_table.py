@@ -148,8 +148,8 @@ def run(args: argparse.Namespace) -> int:
     pre_root, ft_root = work_dirs(args.work_dir, args.pretrain_steps, args.finetune_steps)
     pre_dir, corpus_dir = os.path.join(pre_root, "run"), os.path.join(pre_root, "corpus")
     pre_flags = gin_setup.GinFlags(files=[PRETRAIN_GIN], bindings=[
-        f"TRAIN_STEPS = {args.pretrain_steps}", f"MODEL_DIR = '{pre_dir}'",
-        f"DATA_DIR = '{corpus_dir}'"])
+        f"TRAIN_STEPS = {args.pretrain_steps}", f"MODEL_DIR = {pre_dir!r}",
+        f"DATA_DIR = {corpus_dir!r}"])
     gin_setup.parse_gin(pre_flags)
     data_cfg = gin_setup.GinDataConfig()
     if args.pretrain_steps in RunDir(pre_dir).checkpoint_steps():
@@ -161,17 +161,17 @@ def run(args: argparse.Namespace) -> int:
     count = write_heldout(heldout, data_cfg.holdout_fraction, data_cfg.holdout_seed)
     print(f"held-out documents: {count}")
     pretrained, _ = load_model(pre_dir)
-    data_bindings = [f"DataConfig.source = '{heldout}'",
-                     f"DataConfig.tokenizer = 'hf:{os.path.join(corpus_dir, 'tokenizer.json')}'",
-                     f"DataConfig.data_dir = '{os.path.join(pre_root, 'heldout-data')}'"]
+    tokenizer = "hf:" + os.path.join(corpus_dir, "tokenizer.json")  # the pretraining's BPE
+    data_bindings = [f"DataConfig.source = {heldout!r}", f"DataConfig.tokenizer = {tokenizer!r}",
+                     f"DataConfig.data_dir = {os.path.join(pre_root, 'heldout-data')!r}"]
     rows = []
     for m in args.depths:
         before = None
         for method in args.methods.split(","):
             out = os.path.join(ft_root, f"{method}{m}")
             gin_setup.parse_gin(gin_setup.GinFlags(files=[FINETUNE_GIN], bindings=[
-                f"FINETUNE_STEPS = {m}", f"METHOD = '{method}'", f"MODEL_DIR = '{out}'",
-                f"PRETRAINED_DIR = '{pre_dir}'", f"TRAIN_STEPS = {args.finetune_steps}",
+                f"FINETUNE_STEPS = {m}", f"METHOD = '{method}'", f"MODEL_DIR = {out!r}",
+                f"PRETRAINED_DIR = {pre_dir!r}", f"TRAIN_STEPS = {args.finetune_steps}",
                 *data_bindings]))
             if before is None:
                 ft_data = gin_setup.GinDataConfig()
