@@ -215,9 +215,9 @@ def train(
     )
     result = trainer.run()
     if report_unigram_entropy:
-        from ode_lm.training.corpus_stats import unigram_entropy
+        from ode_lm.training.corpus_stats import unigram_entropies
 
-        result.eval["data/unigram_entropy"] = unigram_entropy(data)
+        result.eval.update(unigram_entropies(data))
     return result
 
 

@@ -10,7 +10,9 @@ own solver and N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in Tenso
 bold, RK4 N=8, adaptive rtol 1e-3, tokens/s; its last eval, or the one at STEP); ``plot``
 draws the gap against the training step. Each run's own solver and N are its
 ``model_config.json``'s, and every figure is looked up by its name
-(``training.metric_names``). The tables of docs/depth.md are printed with it.
+(``training.metric_names``). The tables of docs/depth.md are printed with it. A run with no
+eval yet, or whose evals measured only its own solver and N, is refused in one line (exit 1,
+no chart written): it has no gap to show.
 ``ode-lm depth-report`` re-evaluates one checkpoint at every N and solver instead.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +47,10 @@ class Run:
         """Perplexity at ``setting``: an N of the run's own solver as a string ('6'), or a
         solve spec ('rk4:steps=8')."""
         return row.get(self.name(names.PERPLEXITY, setting))
+
+    def has_gap(self, row: dict) -> bool:
+        """Whether the eval row measured a setting other than the run's own."""
+        return any(k.startswith(names.name(names.PERPLEXITY) + "@") for k in row)
 
     def name(self, metric: str, setting: str) -> str:
         solve = (names.Solve(self.solver, int(setting)) if setting.isdigit()
@@ -78,10 +85,18 @@ def eval_rows(run_dir: str) -> list[dict]:
 
 
 def read_run(run_dir: str) -> Run:
-    """The run's eval rows, and its own solver and N from its ``model_config.json``."""
+    """The run's eval rows, and its own solver and N from its ``model_config.json``; a run
+    with no eval yet, or whose evals measured no other setting, has no gap to show."""
     rows = eval_rows(run_dir)
+    if not rows:
+        raise ValueError(f"{run_dir}: no eval in its metrics yet (the run stopped before its "
+                         "first eval?)")
     config = RunDir(run_dir).model_config()
-    return Run(rows, config.solver, config.num_steps)
+    run = Run(rows, config.solver, config.num_steps)
+    if not any(run.has_gap(row) for row in rows):
+        raise ValueError(f"{run_dir}: no depth-gap metrics (its evals measured only its own "
+                         "solver and N: set TrainConfig.eval_num_steps or eval_solves)")
+    return run
 
 
 def _cell(value: float | None, own: float, mark_own: bool = False) -> str:
@@ -114,23 +129,25 @@ def table(runs: list[tuple[str, str, int | None]]) -> str:
         ada = _cell(run.ppl(row, SOLVES[1]), ppl)
         ada = ada if nfe is None else f"{ada[:-1]}, {nfe:.0f})" if ada.endswith(")") else ada
         label = name if own else f"{name} ({solver_label(run.solver)})"
+        speed = row["tokens_per_second"]
+        speed = "–" if math.isnan(speed) else f"{speed / 1e3:.2f}k"
         lines.append(f"| {label} | {row['step']} | " + " | ".join(cells)
-                     + f" | {rk4} | {ada} | {row['tokens_per_second'] / 1e3:.2f}k |")
+                     + f" | {rk4} | {ada} | {speed} |")
     return "\n".join(lines)
 
 
 def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
     """Gap (%) against the run's own N versus training step: RK4 N=8, adaptive, the run's
     own solver at N=4 and N=24 (left), and at N=3 (right, its own scale)."""
-    import matplotlib
+    read = [(name, read_run(run_dir)) for name, run_dir, _ in runs]  # each refused before
+    import matplotlib  # any drawing: a run without gap metrics writes no file
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax, ax3) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"rk4:steps=8": "-", "adaptive:rtol=0.001": "--", "4": ":", "24": "-."}
-    for i, (name, run_dir, _) in enumerate(runs):
-        run = read_run(run_dir)
+    for i, (name, run) in enumerate(read):
         steps = [r["step"] for r in run.rows]
         color, own = f"C{i}", solver_label(run.solver)
         for setting, style in styles.items():

@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
+import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ode_lm import cli
 from ode_lm.data.config import DataConfig
+from ode_lm.errors import UsageError
+
+# What the demo's eval reads (configs/runs/demo.gin: DataConfig.eval_max_batches; its model,
+# configs/models/tiny.gin: BATCH_SIZE, SEQ_LEN; tests/input/test_data_prepare.py checks these
+# against the files): a prepared split with fewer tokens trains or evaluates short, or not at all.
+DEMO_EVAL_BATCHES, DEMO_BATCH_SIZE, DEMO_SEQ_LEN = 20, 8, 128
+_MAX_SUGGESTED_HOLDOUT = 0.5
 
 
 def build_parser(prog: str = "ode-lm prepare") -> argparse.ArgumentParser:
@@ -43,13 +54,45 @@ def build_parser(prog: str = "ode-lm prepare") -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm prepare") -> int:
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
-    return cli.run_command(prog, lambda: run(args))
+    return cli.run_command(prog, lambda: run(args, prog))
 
 
-def run(args: argparse.Namespace) -> int:
+def split_warnings(manifest: dict[str, Any]) -> list[str]:
+    """One line per split too small for the demo's model (``configs/runs/demo.gin``): an empty
+    or tiny validation split names the --holdout_fraction that gives the eval it reads."""
+    row = DEMO_BATCH_SIZE * (DEMO_SEQ_LEN + 1)  # tokens of one batch (inputs and targets)
+    need = DEMO_EVAL_BATCHES * row
+    splits = manifest["splits"]
+    train, val = splits["train"]["tokens"], splits["validation"]["tokens"]
+    total, fraction = train + val, manifest["holdout"]["fraction"]
+    out = []
+    if train < row:
+        out.append(f"split 'train' has {train} tokens, fewer than one batch of the demo's model "
+                   f"({DEMO_BATCH_SIZE} x {DEMO_SEQ_LEN + 1} = {row}): use more documents or a "
+                   f"lower --holdout_fraction (now {fraction})")
+    if val < need:
+        what = "is empty" if val == 0 else f"has {val} tokens"
+        head = (f"split 'validation' {what} (--holdout_fraction={fraction}), fewer than the "
+                f"demo's eval reads ({DEMO_EVAL_BATCHES} batches of {DEMO_BATCH_SIZE} x "
+                f"{DEMO_SEQ_LEN + 1} = {need} tokens)")
+        suggested = math.ceil(100 * 1.25 * need / max(total, 1)) / 100  # 25%: the rule is random
+        if suggested <= _MAX_SUGGESTED_HOLDOUT:
+            out.append(f"{head}: prepare into a new --data_dir with "
+                       f"--holdout_fraction={suggested:g}")
+        else:
+            out.append(f"{head}: the corpus ({total} tokens) is too small for it; evaluate "
+                       "fewer batches (--gin.DataConfig.eval_max_batches=N) or add documents")
+    return out
+
+
+def run(args: argparse.Namespace, prog: str = "ode-lm prepare") -> int:
     from ode_lm.data.manifest import MANIFEST, manifest_path
     from ode_lm.data.prepare import prepare
 
+    if args.num_proc is not None and args.num_proc < 1:
+        raise UsageError(f"--num_proc={args.num_proc}: must be >= 1")
+    if args.data_dir and os.path.isfile(args.data_dir):
+        raise NotADirectoryError(f"--data_dir={args.data_dir}: is a file, not a directory")
     delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \
         else None
     cfg = DataConfig(data_dir=args.data_dir, source=args.source, tokenizer=args.tokenizer,
@@ -66,4 +109,6 @@ def run(args: argparse.Namespace) -> int:
               f"(listed in {MANIFEST} skipped_files)")
     print(f"manifest: {manifest_path(cfg.data_dir)} (vocab {m['vocab_size']}, "
           f"eos {m['eos_id']})")
+    for line in split_warnings(m):  # after the bar is closed: one whole line each
+        print(f"{prog}: warning: {line}", file=sys.stderr)
     return 0

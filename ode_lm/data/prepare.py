@@ -195,12 +195,59 @@ def _check_inputs(cfg: DataConfig) -> None:
         tok_lib.get_tokenizer(cfg.tokenizer)
 
 
+def _existing(root: epath.Path) -> tuple[epath.Path, set[str] | None]:
+    """What a failed run must leave: the topmost directory it would create (removed whole),
+    or, for a data dir that exists, the paths already in it (anything else is removed)."""
+    top = root
+    while _is_local(root) and not top.parent.exists() and top.parent != top:
+        top = top.parent  # (on gs:// a "directory" is a prefix: only the data dir itself)
+    if not root.exists():
+        return top, None
+    return root, {os.fspath(p.relative_to(root)) for p in _walk(root)}
+
+
+def _walk(root: epath.Path) -> list[epath.Path]:
+    """Every path under ``root``, deepest first (``iterdir``: no recursive glob on gs://)."""
+    out: list[epath.Path] = []
+    for p in root.iterdir():
+        if p.is_dir():
+            out.extend(_walk(p))
+        out.append(p)
+    return out
+
+
+def _undo(root: epath.Path, before: set[str] | None) -> None:
+    """Removes what a failed run wrote: the dirs it made, or the new paths in a user's dir
+    (its own files are never touched)."""
+    if before is None:
+        if root.exists():
+            root.rmtree(missing_ok=True)
+        return
+    for p in _walk(root):
+        if os.fspath(p.relative_to(root)) not in before:
+            p.rmtree(missing_ok=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
 def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = True,
             log=print) -> dict[str, Any]:
-    """Prepares ``cfg.source`` into ``cfg.data_dir`` (idempotent, resumable); returns manifest."""
+    """Prepares ``cfg.source`` into ``cfg.data_dir`` (idempotent, resumable); returns manifest.
+
+    A run that fails (a bad record, a field the records lack) leaves the data dir as it found
+    it: otherwise its settings file would refuse the corrected command. An interrupted run
+    (Ctrl-C, a killed process) keeps its finished chunks: the next run resumes them."""
     root = epath.Path(cfg.data_dir)
     if not (root / MANIFEST).exists():
         _check_inputs(cfg)  # before the data dir is made: a refused run leaves nothing
+    undo_root, before = _existing(root)
+    try:
+        return _prepare(cfg, root, num_proc=num_proc, progress=progress, log=log)
+    except Exception:
+        _undo(undo_root, before)
+        raise
+
+
+def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progress: bool,
+             log) -> dict[str, Any]:
     root.mkdir(parents=True, exist_ok=True)
     settings = _settings(cfg)
     _check_settings(root, settings)

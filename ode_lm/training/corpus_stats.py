@@ -2,6 +2,8 @@
 
 The unigram entropy H = -sum_v p(v) ln p(v) of the training tokens is the loss (in nats) of
 the best model that ignores context: a language model that learned anything beats it.
+A mixture's token frequencies change with its weights, so it gets one figure per component,
+the yardstick of that component's own ``eval/<component>/loss``.
 """
 
 from __future__ import annotations
@@ -25,3 +27,14 @@ def unigram_entropy(data_config: Any, split: str = "train") -> float:
         counts[: len(c)] += c
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
+
+
+def unigram_entropies(data_config: Any) -> dict[str, float]:
+    """``data/unigram_entropy`` of a single source, or ``data/<component>/unigram_entropy``
+    of each component of a mixture (each read from its own data dir and tokenizer)."""
+    if getattr(data_config, "mixture", None):
+        from ode_lm.data.config import mixture_components
+
+        return {f"data/{name}/unigram_entropy": unigram_entropy(c)
+                for name, c in mixture_components(data_config)}
+    return {"data/unigram_entropy": unigram_entropy(data_config)}

@@ -57,9 +57,37 @@ def test_depth_gap_labels_a_non_euler_run_by_its_own_solver_and_n(tmp_path):
     assert cells[:5] == ["r", "10", "60.0 (+20.0 %)", "**50.0**", "–"]
     assert cells[7] == "49.0 (-2.0 %)"  # N=8: RK4 at 8, never read as the own N
     assert cells[-3] == "49.0 (-2.0 %)"  # the RK4 N=8 column: the same figure
-    euler = _write_run(tmp_path / "euler", [{"step": 10, "eval/perplexity": 40.0}],
+    euler = _write_run(tmp_path / "euler", [{"step": 10, "eval/perplexity": 40.0,
+                                             "eval/perplexity@steps=2": 45.0}],
                        num_steps=3, solver="euler")
     head, _, first, second = tool.table([("r", rk4, None), ("e", euler, None)]).splitlines()
     assert head.startswith("| recipe | step | N=1 | N=2 |")
     assert first.startswith("| r (RK4) | 10 |") and second.startswith("| e (Euler) | 10 |")
     assert "**40.0**" in second.split("|")[5]  # Euler N=3, its own
+
+
+def test_depth_gap_refuses_a_run_without_eval_or_gap_metrics_and_writes_no_file(tmp_path,
+                                                                                 capsys):
+    """A run stopped before its first eval, or whose evals measured only its own N: one line
+    naming the run, exit 1, and no chart."""
+    early = _write_run(tmp_path / "early", [
+        {"step": 5, "train/loss": 6.0, "train/tokens_per_second": 900.0}], num_steps=6)
+    own_only = _write_run(tmp_path / "own", [
+        {"step": 5, "train/loss": 6.0},
+        {"step": 10, "eval/perplexity": 40.0, "eval/nfe": 6.0}], num_steps=6)
+    for run, why in ((early, "no eval in its metrics yet"), (own_only, "no depth-gap metrics")):
+        for argv in (["table", f"r={run}"], ["plot", f"--out={tmp_path / 'gap.png'}", f"r={run}"]):
+            assert tool.main(argv) == 1, argv
+            captured = capsys.readouterr()
+            err = captured.err.strip()
+            assert err.startswith(f"ode-lm depth-gap: error: {run}: {why}"), err
+            assert len(err.splitlines()) == 1 and not captured.out
+            assert not (tmp_path / "gap.png").exists()
+
+
+def test_depth_gap_table_without_speed_shows_a_dash(tmp_path):
+    """No train row with tokens/s before the eval: a dash, never 'nank'."""
+    run = _write_run(tmp_path, [{"step": 10, "eval/perplexity": 40.0,
+                                 "eval/perplexity@steps=2": 60.0}], num_steps=6)
+    row = tool.table([("r", run, None)]).splitlines()[-1]
+    assert row.endswith("| – |") and "nan" not in row

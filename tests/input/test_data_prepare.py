@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from data_helpers import small_texts, write_jsonl
+from data_helpers import small_texts, tree_hash, write_jsonl
 
 from ode_lm.data import (
     DataConfig,
@@ -133,6 +134,30 @@ def test_empty_source_and_missing_manifest(tmp_path):
         prepare(cfg, num_proc=1, progress=False)
     with pytest.raises(PreparedDataError, match="manifest.json not found"):
         load_manifest(tmp_path / "nowhere")
+
+
+def test_a_failed_prepare_leaves_no_state_and_the_corrected_run_succeeds(tmp_path):
+    """A field the records lack fails the run; its data dir (and the parents it made) are
+    gone, so the corrected command is not refused by a settings file of the failed one."""
+    cfg = dataclasses.replace(jsonl_config(tmp_path), data_dir=str(tmp_path / "new" / "prepared"))
+    with pytest.raises(ValueError, match="missing field 'content'"):
+        prepare(dataclasses.replace(cfg, text_field="content"), num_proc=1, progress=False)
+    assert not (tmp_path / "new").exists()
+    manifest = prepare(cfg, num_proc=1, progress=False)
+    assert manifest["splits"]["train"]["documents"] > 0
+
+
+def test_a_failed_prepare_leaves_an_existing_dir_byte_identical(tmp_path):
+    """A user's own dir: only what the failed run wrote is removed, never the user's files."""
+    cfg = jsonl_config(tmp_path, text_field="content")
+    own = tmp_path / "prepared"
+    (own / "notes").mkdir(parents=True)
+    (own / "README.txt").write_text("mine")
+    (own / "notes" / "a.txt").write_text("also mine")
+    before = tree_hash(own)
+    with pytest.raises(ValueError, match="missing field 'content'"):
+        prepare(cfg, num_proc=1, progress=False)
+    assert tree_hash(own) == before
 
 
 @pytest.mark.slow
