@@ -228,24 +228,39 @@ class Distillation(Term):
 class SolverShare(Term):
     """On a drawn ``share`` of the steps the main solve is ``solver`` at ``num_steps``
     instead of the step's own: the exact flow (what RK4 and the adaptive solver compute)
-    is trained too, not only Euler's grid."""
+    is trained too, not only Euler's grid. With ``final`` the share ramps linearly from
+    ``share`` at step 0 to ``final`` at ``ramp_steps``, then holds: the exact flow drifts
+    from Euler's grid as training goes on, so early steps can spend less on it."""
 
     share: float = 0.25
     solver: str = "rk4"
     num_steps: int = 2
+    final: float | None = None
+    ramp_steps: int = 0
     name: ClassVar[str] = "solver_share"
 
     def __post_init__(self):
         check_types(self)
         _share(self)
+        require(self, "final", self.final is None or 0 < self.final <= 1, "must be in (0, 1]")
+        require_at_least(self, 0, "ramp_steps")
+        require(self, "ramp_steps", self.final is None or self.ramp_steps >= 1,
+                "must be >= 1 when SolverShare.final is set")
         require_one_of(self, "solver", SOLVERS)
         require_at_least(self, 1, "num_steps")
 
+    def share_at(self, step: int) -> float:
+        """The share of steps drawn at ``step`` (host side)."""
+        if self.final is None:
+            return self.share
+        return self.share + (self.final - self.share) * min(step / self.ramp_steps, 1.0)
+
     def variants(self):
-        return (False, True) if self.share < 1 else (True,)
+        return (True,) if min(self.share, self.final or 1.0) >= 1 else (False, True)
 
     def choose(self, seed, step):
-        return self.share >= 1 or self._uniform(seed, step) < self.share
+        share = self.share_at(step)
+        return share >= 1 or self._uniform(seed, step) < share
 
     def main_solve(self, solve, choice, key):
         if not choice:

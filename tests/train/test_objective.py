@@ -73,6 +73,19 @@ def test_host_draws_are_a_function_of_seed_and_step_at_the_share(term):
     assert obj.Distillation(share=1.0).variants() == (True,)
 
 
+def test_a_ramped_share_draws_each_step_at_its_share_and_holds_after_the_ramp():
+    term = obj.SolverShare(share=0.1, final=0.5, ramp_steps=4000)
+    assert term.share_at(0) == pytest.approx(0.1)
+    assert term.share_at(2000) == pytest.approx(0.3)
+    assert term.share_at(9000) == pytest.approx(0.5)
+    early = np.mean([term.choose(0, s) for s in range(0, 1000)])  # share 0.1 .. 0.2
+    late = np.mean([term.choose(0, s) for s in range(4000, 8000)])  # share 0.5
+    # binomial std: 0.013 (n = 1000, p <= 0.2) and 0.008 (n = 4000, p = 0.5): 5 sigma
+    assert abs(early - 0.15) < 0.065 and abs(late - 0.5) < 0.04
+    assert term.variants() == (False, True)
+    assert [term.choose(3, s) for s in range(50)] == [term.choose(3, s) for s in range(50)]
+
+
 def test_terms_draw_independently_of_each_other():
     a, b = obj.Distillation(share=0.5), obj.SolverShare(share=0.5)
     both = np.mean([a.choose(0, s) and b.choose(0, s) for s in range(4000)])
@@ -109,6 +122,8 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.SolverShare(share=1.5), "SolverShare.share"),
     (lambda: obj.SolverShare(solver="rk5"), "rk5"),
     (lambda: obj.SolverShare(num_steps=0), "SolverShare.num_steps"),
+    (lambda: obj.SolverShare(final=1.5, ramp_steps=10), "SolverShare.final"),
+    (lambda: obj.SolverShare(final=0.5), "ramp_steps"),
     (lambda: obj.SolverLoss(weight=0.0), "SolverLoss.weight"),
     (lambda: obj.SolverLoss(share=0.0), "SolverLoss.share"),
     (lambda: obj.SolverLoss(solver="rk5"), "rk5"),
