@@ -80,8 +80,8 @@ CPU_PROBE_SIZE = 2048  # n of the n x n fp32 matmul: big enough for every core's
 CPU_PROBE_REPEATS = 5
 
 
-def cpu_key() -> str:
-    """What the CPU peak depends on: the CPU model and the cores this process may use."""
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what ``platform`` knows)."""
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,12 +89,20 @@ def cpu_key() -> str:
                           if line.startswith("model name")), "")
     except OSError:
         pass
-    model = model or platform.processor() or platform.machine() or "unknown cpu"
+    return model or platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_cores() -> int:
+    """The cores this process may use (its affinity, not the machine's count)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return f"{model} x{cores}"
+        return os.cpu_count() or 1
+
+
+def cpu_key() -> str:
+    """What the CPU peak depends on: the CPU model and the cores this process may use."""
+    return f"{cpu_model()} x{cpu_cores()}"
 
 
 def cpu_peak_cache_path() -> str:
