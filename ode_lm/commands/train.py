@@ -39,7 +39,7 @@ def report(result) -> int:
     if result.first_loss is not None:
         summary.append(f"first logged train loss: {result.first_loss:.4f}")
     # the final eval: an ODE run's settings as one table, every other figure as a line
-    from ode_lm.training.evaluation import depth_table
+    from ode_lm.training.summary import depth_table
 
     table, shown = depth_table(result.eval, result.eval_settings)
     summary += [f"{k}: {v:.4f}" for k, v in result.eval.items() if k not in shown] + table
