@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ode_lm import cli
 from ode_lm.training import metric_names as names
-from ode_lm.training.run_dir import RunDir
+from ode_lm.training.run_dir import SUMMARY, RunDir
 
 NS = (1, 2, 3, 4, 6, 8, 12, 24)  # the run's own solver at each N
 SOLVES = ("rk4:steps=8", "adaptive:rtol=0.001")
@@ -125,8 +125,18 @@ def table_data(runs: list[tuple[str, str, int | None]]) -> list[dict]:
         records.append({"label": name, "run_dir": run_dir, "step": row["step"],
                         "solver": run.solver, "num_steps": run.num_steps,
                         "tokens_per_second": None if speed != speed else speed,
-                        "cells": cells})
+                        "cells": cells, "run_provenance": run_provenance(run_dir)})
     return records
+
+
+def run_provenance(run_dir: str) -> dict | None:
+    """Where the run itself was trained (its ``summary.json``: command, commit, date,
+    machine); None for a run from before it was written, or one still training."""
+    path = Path(RunDir(run_dir).file(SUMMARY))
+    try:
+        return json.loads(path.read_text()).get("provenance")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def format_table(records: list[dict], speed: bool = True) -> str:

@@ -41,6 +41,7 @@ def test_depth_gap_command_tables_and_plots_a_runs_evals(tmp_path, capsys):
     command = f"ode-lm depth-gap table r={run} --json={tmp_path}/t.json"
     assert data["provenance"]["command"] == command
     assert tool.format_table(data["runs"]) == tool.table([("r", run, None)])  # one text
+    assert data["runs"][0]["run_provenance"] is None  # a run without summary.json
     assert data["runs"][0]["cells"]["3"] == pytest.approx({"perplexity": 110.0, "gap": 0.1})
     tool.plot([("r", run, None)], str(tmp_path / "gap.png"))
     assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
