@@ -7,10 +7,10 @@ estimate). Public vendor figures: Cloud TPU system-architecture pages (v4, v5e, 
 NVIDIA data sheets (SXM parts). ICI bandwidth is the chip's total interconnect bandwidth (all
 links, both directions, as the vendors quote it); for GPUs it is NVLink.
 
-A CPU's peak is the best rate of a short fp32 ``jnp.dot`` probe, measured once per machine
-(CPU model and the cores this process may use) and cached in ``$ODE_LM_CACHE`` (default
-``~/.cache/ode_lm``) as ``cpu_peak_flops.json``; ``TrainConfig.cpu_peak_flops`` and
-``ode-lm bench --peak-flops`` set it instead.
+A CPU's peak is the best rate of a short fp32 ``jnp.dot`` probe per machine (CPU model and
+the cores this process may use), cached in ``$ODE_LM_CACHE`` (default ``~/.cache/ode_lm``)
+as ``cpu_peak_flops.json``: the highest reading so far, probed again after a week;
+``TrainConfig.cpu_peak_flops`` and ``ode-lm bench --peak-flops`` set it instead.
 """
 
 from __future__ import annotations
@@ -78,10 +78,11 @@ def chip_spec(device_kind: str) -> ChipSpec | None:
 
 CPU_PROBE_SIZE = 2048  # n of the n x n fp32 matmul: big enough for every core's vector units
 CPU_PROBE_REPEATS = 5
+CPU_PEAK_MAX_AGE_DAYS = 7  # then probed again: a quieter moment may read higher
 
 
-def cpu_key() -> str:
-    """What the CPU peak depends on: the CPU model and the cores this process may use."""
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; else what ``platform`` knows)."""
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,12 +90,20 @@ def cpu_key() -> str:
                           if line.startswith("model name")), "")
     except OSError:
         pass
-    model = model or platform.processor() or platform.machine() or "unknown cpu"
+    return model or platform.processor() or platform.machine() or "unknown cpu"
+
+
+def cpu_cores() -> int:
+    """The cores this process may use (its affinity, not the machine's count)."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return f"{model} x{cores}"
+        return os.cpu_count() or 1
+
+
+def cpu_key() -> str:
+    """What the CPU peak depends on: the CPU model and the cores this process may use."""
+    return f"{cpu_model()} x{cpu_cores()}"
 
 
 def cpu_peak_cache_path() -> str:
@@ -120,10 +129,24 @@ def probe_cpu_peak_flops(n: int = CPU_PROBE_SIZE, repeats: int = CPU_PROBE_REPEA
     return 2.0 * n**3 / max(best, 1e-9)
 
 
+def _cached_entry(value: object) -> tuple[float, float] | None:
+    """(best FLOP/s, time of the last probe) of a cache entry; a bare number (the older
+    format) counts as probed long ago, so it is probed again and kept if still the best."""
+    if isinstance(value, int | float) and value > 0:
+        return float(value), 0.0
+    if isinstance(value, dict):
+        flops, probed = value.get("flops"), value.get("probed", 0.0)
+        if isinstance(flops, int | float) and flops > 0 and isinstance(probed, int | float):
+            return float(flops), float(probed)
+    return None
+
+
 @functools.cache
 def cpu_peak_flops(cache_path: str | None = None) -> float:
-    """This machine's CPU peak FLOP/s: the cached probe of ``cpu_key()``, probed (and cached)
-    on the first call on a new machine. A cache that cannot be written is not an error."""
+    """This machine's CPU peak FLOP/s: the best probe of ``cpu_key()`` so far, cached. A
+    probe taken while other jobs load the CPU reads low, so a new reading never lowers the
+    cached one; the cache is probed again (only to raise it) once older than
+    ``CPU_PEAK_MAX_AGE_DAYS``. A cache that cannot be written is not an error."""
     path = cache_path or cpu_peak_cache_path()
     key = cpu_key()
     try:
@@ -133,10 +156,12 @@ def cpu_peak_flops(cache_path: str | None = None) -> float:
         table = {}
     if not isinstance(table, dict):
         table = {}
-    value = table.get(key)
-    if isinstance(value, int | float) and value > 0:
-        return float(value)
-    table[key] = peak = probe_cpu_peak_flops()
+    entry = _cached_entry(table.get(key))
+    now = time.time()
+    if entry is not None and now - entry[1] < CPU_PEAK_MAX_AGE_DAYS * 86400:
+        return entry[0]
+    peak = max(probe_cpu_peak_flops(), entry[0] if entry else 0.0)
+    table[key] = {"flops": peak, "probed": now}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")

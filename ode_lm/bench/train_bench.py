@@ -332,6 +332,7 @@ class TrainBench:
             "flops_source": "the step's own count (ode_lm.models.accounting per variant and "
                             "drawn N) x tokens",
             "variants": {str(v): w for v, w in self.variant_weights.items()},
+            "programs": max(len(self.variant_weights), 1),  # compiled step variants
             "traced_matmul_flops_per_step": self.traced_flops,
             "achieved_flops": achieved,
             "cpu_s": cpu_s,

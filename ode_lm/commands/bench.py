@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from ode_lm import cli
+from ode_lm.provenance import provenance
 
 SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint", "recipe")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # recipe: three more compiles, on request
@@ -177,6 +178,7 @@ def run_bench(args: argparse.Namespace) -> dict:
     results: dict = {
         "config": dataclasses.asdict(cfg),
         "command": shlex.join(["ode-lm", "bench", *getattr(args, "argv", sys.argv[1:])]),
+        "provenance": provenance(["bench", *getattr(args, "argv", sys.argv[1:])]),
         "devices": [str(d) for d in devices],
         "platform": devices[0].platform,
         "device_kind": devices[0].device_kind,

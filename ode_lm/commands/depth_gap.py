@@ -1,6 +1,6 @@
 """Depth gap of trained runs over training, read from their metrics files (no re-evaluation).
 
-  ode-lm depth-gap table NAME=DIR[@STEP] ...
+  ode-lm depth-gap table NAME=DIR[@STEP] ... [--json=FILE]
   ode-lm depth-gap plot --out=FILE.png NAME=DIR ...
 
 Every in-loop eval of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) logs a
@@ -8,9 +8,10 @@ perplexity at some N or solver; the gap of a setting is its perplexity relative 
 own solver and N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in TensorBoard.
 ``table`` prints one markdown row per run (the run's own solver at N = 1..24, its own N in
 bold, RK4 N=8, adaptive rtol 1e-3, tokens/s; its last eval, or the one at STEP); ``plot``
-draws the gap against the training step. Each run's own solver and N are its
-``model_config.json``'s, and every figure is looked up by its name
-(``training.metric_names``). The tables of docs/depth.md are printed with it. A run with no
+draws the gap against the training step. ``table --json`` also writes the figures with
+their provenance: what tools/doc_tables.py regenerates the tables of docs/depth.md from.
+Each run's own solver and N are its ``model_config.json``'s, and every figure is looked up
+by its name (``training.metric_names``). A run with no
 eval yet, or whose evals measured only its own solver and N, is refused in one line (exit 1,
 no chart written): it has no gap to show.
 ``ode-lm depth-report`` re-evaluates one checkpoint at every N and solver instead.
@@ -21,14 +22,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from ode_lm import cli
 from ode_lm.training import metric_names as names
-from ode_lm.training.run_dir import RunDir
+from ode_lm.training.run_dir import SUMMARY, RunDir
 
 NS = (1, 2, 3, 4, 6, 8, 12, 24)  # the run's own solver at each N
 SOLVES = ("rk4:steps=8", "adaptive:rtol=0.001")
@@ -99,41 +100,90 @@ def read_run(run_dir: str) -> Run:
     return run
 
 
-def _cell(value: float | None, own: float, mark_own: bool = False) -> str:
-    if value is None:
+def _cell(cell: dict | None, mark_own: bool = False) -> str:
+    """``{"perplexity", "gap"}`` as a table writes it: ``97.8 (+1.6 %)``, the own N bold, a
+    perplexity of 1000 or more without its gap; ``–`` where the run has no figure."""
+    if cell is None or cell.get("perplexity") is None:
         return "–"
+    value, gap = cell["perplexity"], cell.get("gap")
     text = f"{value:,.0f}" if value >= 1000 else f"{value:.1f}"
     if mark_own:
         return f"**{text}**"
-    return text if value >= 1000 else f"{text} ({100 * (value / own - 1):+.1f} %)"
+    if value >= 1000 or gap is None:
+        return text
+    return f"{text} ({100 * gap:+.1f} %)"
+
+
+def table_data(runs: list[tuple[str, str, int | None]]) -> list[dict]:
+    """One record per run (its last eval, or the named step): its label, step, own solver
+    and N, tokens/s, and per setting (an N of its own solver, or ``SOLVES``) the perplexity
+    and its gap to the own N (the adaptive solve with its mean NFE). What ``--json`` writes
+    and ``format_table`` prints."""
+    records = []
+    for name, run_dir, step in runs:
+        run = read_run(run_dir)
+        row = run.rows[-1] if step is None else next(
+            (r for r in run.rows if r["step"] == step), None)
+        if row is None:
+            raise ValueError(f"{run_dir}: no eval at step {step}")
+        own = row[names.name(names.PERPLEXITY)]
+        cells: dict[str, dict | None] = {}
+        for setting in (*map(str, NS), *SOLVES):
+            ppl = run.ppl(row, setting)
+            cells[setting] = None if ppl is None else {"perplexity": ppl,
+                                                       "gap": ppl / own - 1}
+        nfe = row.get(run.name(names.NFE, SOLVES[1]))
+        if cells[SOLVES[1]] is not None and nfe is not None:
+            cells[SOLVES[1]]["nfe"] = nfe
+        speed = row.get("tokens_per_second")
+        records.append({"label": name, "run_dir": run_dir, "step": row["step"],
+                        "solver": run.solver, "num_steps": run.num_steps,
+                        "tokens_per_second": None if speed != speed else speed,
+                        "cells": cells, "run_provenance": run_provenance(run_dir)})
+    return records
+
+
+def run_provenance(run_dir: str) -> dict | None:
+    """Where the run itself was trained (its ``summary.json``: command, commit, date,
+    machine); None for a run from before it was written, or one still training."""
+    path = Path(RunDir(run_dir).file(SUMMARY))
+    try:
+        return json.loads(path.read_text()).get("provenance")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def format_table(records: list[dict], speed: bool = True) -> str:
+    """Markdown: one row per record of ``table_data``. The N columns are each run's own
+    solver, named in the header when the runs share it, else after each name; ``speed``:
+    the tok/s column (the median logged throughput, which on a shared host measures the
+    load more than the run)."""
+    solvers = {r["solver"] for r in records}
+    own = f"{solver_label(solvers.pop())} " if len(solvers) == 1 else ""
+    tail = " tok/s |" if speed else ""
+    head = ("| recipe | step | " + " | ".join(f"{own}N={n}" for n in NS)
+            + " | RK4 N=8 | adaptive 1e-3 (NFE) |" + tail)
+    lines = [head, "|---|---:|" + "---:|" * (len(NS) + 2 + speed)]
+    for r in records:
+        cells = r["cells"]
+        row = [_cell(cells.get(str(n)), n == r["num_steps"]) for n in NS]
+        row.append(_cell(cells.get(SOLVES[0])))
+        ada_cell = cells.get(SOLVES[1])
+        ada = _cell(ada_cell)
+        if ada_cell and ada_cell.get("nfe") is not None and ada.endswith(")"):
+            ada = f"{ada[:-1]}, {ada_cell['nfe']:.0f})"
+        row.append(ada)
+        if speed:
+            tok = r.get("tokens_per_second")
+            row.append("–" if tok is None else f"{tok / 1e3:.2f}k")
+        label = r["label"] if own else f"{r['label']} ({solver_label(r['solver'])})"
+        lines.append(f"| {label} | {r['step']} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def table(runs: list[tuple[str, str, int | None]]) -> str:
-    """Markdown: one row per run (its last eval, or the named step). The N columns are each
-    run's own solver, named in the header when the runs share it, else after each name."""
-    read = [(name, read_run(run_dir), run_dir, step) for name, run_dir, step in runs]
-    solvers = {run.solver for _, run, _, _ in read}
-    own = f"{solver_label(solvers.pop())} " if len(solvers) == 1 else ""
-    head = ("| recipe | step | " + " | ".join(f"{own}N={n}" for n in NS)
-            + " | RK4 N=8 | adaptive 1e-3 (NFE) | tok/s |")
-    lines = [head, "|---|---:|" + "---:|" * (len(NS) + 3)]
-    for name, run, run_dir, step in read:
-        rows = run.rows
-        row = rows[-1] if step is None else next((r for r in rows if r["step"] == step), None)
-        if row is None:
-            raise ValueError(f"{run_dir}: no eval at step {step}")
-        ppl = row[names.name(names.PERPLEXITY)]
-        cells = [_cell(run.ppl(row, str(n)), ppl, n == run.num_steps) for n in NS]
-        rk4 = _cell(run.ppl(row, SOLVES[0]), ppl)
-        nfe = row.get(run.name(names.NFE, SOLVES[1]))
-        ada = _cell(run.ppl(row, SOLVES[1]), ppl)
-        ada = ada if nfe is None else f"{ada[:-1]}, {nfe:.0f})" if ada.endswith(")") else ada
-        label = name if own else f"{name} ({solver_label(run.solver)})"
-        speed = row["tokens_per_second"]
-        speed = "–" if math.isnan(speed) else f"{speed / 1e3:.2f}k"
-        lines.append(f"| {label} | {row['step']} | " + " | ".join(cells)
-                     + f" | {rk4} | {ada} | {speed} |")
-    return "\n".join(lines)
+    """Markdown: one row per run (its last eval, or the named step)."""
+    return format_table(table_data(runs))
 
 
 def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
@@ -187,12 +237,16 @@ def build_parser(prog: str = "ode-lm depth-gap") -> argparse.ArgumentParser:
     p.add_argument("what", choices=("table", "plot"))
     p.add_argument("runs", nargs="+", type=_parse_run, help="NAME=DIR[@STEP]")
     p.add_argument("--out", help="plot: the PNG to write")
+    p.add_argument("--json", default=None,
+                   help="table: also write its figures and their provenance to this JSON file")
     return p
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> int:
     parser = build_parser(prog)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     if args.what == "plot" and not args.out:
         parser.error("plot needs --out")
     return cli.run_command(prog, lambda: run(args))
@@ -200,7 +254,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> i
 
 def run(args: argparse.Namespace) -> int:
     if args.what == "table":
-        print(table(args.runs))
+        records = table_data(args.runs)
+        print(format_table(records))
+        if args.json:
+            from ode_lm.provenance import provenance
+
+            with open(args.json, "w") as f:
+                json.dump({"provenance": provenance(["depth-gap", *args.argv]),
+                           "runs": records}, f, indent=1)
+            print(f"wrote {args.json}")
     else:
         plot(args.runs, args.out)
         print(f"wrote {args.out}")

@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 
 from ode_lm import cli
+from ode_lm.provenance import provenance
 
 
 def build_parser(prog: str = "ode-lm depth-report") -> argparse.ArgumentParser:
@@ -102,7 +104,9 @@ def report_run(model_dir: str, args, log) -> dict:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-report") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(prog).parse_args(argv)
+    args.argv = argv  # for the JSON's provenance
     cli.setup_logging()
     return cli.run_command(prog, lambda: run(args))
 
@@ -139,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         baselines[name if name not in baselines else d] = report_baseline(d, args, print)
     if baselines:
         result["baselines"] = baselines
+    result["provenance"] = provenance(["depth-report", *getattr(args, "argv", sys.argv[1:])])
     os.makedirs(args.out, exist_ok=True)
     text = json.dumps(result, indent=1)
     paths = [os.path.join(args.out, "depth_report.json")]

@@ -39,12 +39,32 @@ def report(result) -> int:
     if result.first_loss is not None:
         summary.append(f"first logged train loss: {result.first_loss:.4f}")
     # the final eval: an ODE run's settings as one table, every other figure as a line
-    from ode_lm.training.evaluation import depth_table
+    from ode_lm.training.summary import depth_table
 
     table, shown = depth_table(result.eval, result.eval_settings)
     summary += [f"{k}: {v:.4f}" for k, v in result.eval.items() if k not in shown] + table
     print("\n".join(summary))
+    write_summary(result)
     return 0
+
+
+def write_summary(result) -> None:
+    """``summary.json`` in the run directory: the final eval, its settings and where they came
+    from, so a table of the docs is regenerated from the run, not copied from a terminal."""
+    import dataclasses
+
+    import jax
+
+    from ode_lm.provenance import provenance
+    from ode_lm.training.run_dir import RunDir
+
+    if jax.process_index() != 0:  # one writer of a shared run directory
+        return
+    RunDir(result.model_dir).write_summary({
+        "provenance": provenance(),
+        "model_dir": str(result.model_dir), "steps": int(result.step),
+        "eval": {k: float(v) for k, v in result.eval.items()},
+        "settings": {k: dataclasses.asdict(v) for k, v in result.eval_settings.items()}})
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-train") -> int:

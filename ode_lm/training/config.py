@@ -42,7 +42,7 @@ class TrainConfig:
     # 'adaptive:rtol=1e-3'; 'steps=8' is the model's own solver): training.evaluation.Solve
     eval_solves: tuple[str, ...] = ()
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
-    # None: the CPU's peak, probed once per machine (hardware.cpu_peak_flops)
+    # None: the CPU's peak, the best probe cached per machine (hardware.cpu_peak_flops)
     cpu_peak_flops: float | None = None
     # lm-eval tasks (names or YAML files) run at each eval: lm_eval/<task>/<metric>, by the
     # hook the gin layer hands the trainer (harness.run.LmEval)

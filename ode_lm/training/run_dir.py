@@ -15,6 +15,9 @@ Layout (one run, pretraining or fine-tuning)::
                            and fine-tuning learn the run's data from this
     finetune.json          fine-tunes: what they were made from (method, mode, LoRA spec)
     finetune_result.json   fine-tunes: trainable parameter counts and the final eval
+    summary.json           the final eval of the last finished ``ode-lm train``, each setting
+                           and the provenance (command, commit, date, machine): what the
+                           docs' demo table is regenerated from (tools/doc_tables.py)
     checkpoints/<step>/{state,data}   written by training/checkpoint.py
     sharding.txt           the parameter sharding table (partitioning.sharding_text)
     run.lock               training/run_lock.py, while a run holds MODEL_DIR
@@ -51,6 +54,7 @@ MODEL_CONFIG = "model_config.json"
 DATA_CONFIG = "data_config.json"
 FINETUNE = "finetune.json"
 FINETUNE_RESULT = "finetune_result.json"
+SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 CHECKPOINTS = "checkpoints"
 SHARDING = "sharding.txt"
@@ -177,6 +181,9 @@ class RunDir:
 
     def write_finetune_result(self, result: dict[str, Any]) -> None:
         _write_json(self.file(FINETUNE_RESULT), result)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        _write_json(self.file(SUMMARY), summary)
 
     # ------------------------------------------------------------------ reading
     def model_config(self) -> ModelConfig:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ode_lm.commands import depth_gap as tool
 from ode_lm.models.config import ModelConfig
 from ode_lm.training.run_dir import RunDir
@@ -34,6 +36,13 @@ def test_depth_gap_command_tables_and_plots_a_runs_evals(tmp_path, capsys):
     assert last.startswith("| r | 200 | – | 2,500 | 110.0 (+10.0 %) | – | **100.0** |")
     assert last.endswith("| 103.0 (+3.0 %) | 105.0 (+5.0 %, 44) | 1.00k |")
     assert first.startswith("| r100 | 100 | – | 2,500 | 220.0 (+10.0 %) |")
+    assert tool.main(["table", f"r={run}", f"--json={tmp_path / 't.json'}"]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    command = f"ode-lm depth-gap table r={run} --json={tmp_path}/t.json"
+    assert data["provenance"]["command"] == command
+    assert tool.format_table(data["runs"]) == tool.table([("r", run, None)])  # one text
+    assert data["runs"][0]["run_provenance"] is None  # a run without summary.json
+    assert data["runs"][0]["cells"]["3"] == pytest.approx({"perplexity": 110.0, "gap": 0.1})
     tool.plot([("r", run, None)], str(tmp_path / "gap.png"))
     assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
     assert tool.main(["table", f"r={tmp_path}@7"]) == 1  # no such eval: one line, exit 1

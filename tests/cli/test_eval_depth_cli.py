@@ -111,6 +111,7 @@ def test_depth_report_end_to_end(tiny_run, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["trained_num_steps"] == 3
+    assert report["provenance"]["command"].startswith("ode-lm depth-report --model_dir=")
     assert set(report["ppl"]) == {"euler", "rk4"} and set(report["ppl"]["rk4"]) == {"1", "2"}
     assert all(v > 1.0 for row in report["ppl"].values() for v in row.values())
     assert [a["rtol"] for a in report["adaptive"]] == [1e-2, 1e-3]

@@ -275,8 +275,8 @@ def test_metric_names_read_back_what_they_write():
 
 
 def test_depth_table_shows_each_setting_once_and_leaves_the_rest():
-    from ode_lm.training.evaluation import depth_table
     from ode_lm.training.metric_names import Solve
+    from ode_lm.training.summary import depth_table
 
     results = {"eval/loss": 4.6, "eval/perplexity": 100.5, "eval/nfe": 6.0,
                "eval/tokens": 20480.0, "eval/loss@steps=2": 7.8,

@@ -59,7 +59,7 @@ def test_cpu_peak_is_probed_once_per_machine_and_cached(probe, tmp_path, monkeyp
     assert metrics.total_peak_flops(cpus, "float32") == 4e10
     assert len(probe) == 1
     cache = json.loads((tmp_path / "cpu_peak_flops.json").read_text())
-    assert cache == {hardware.cpu_key(): 4e10}
+    assert list(cache) == [hardware.cpu_key()] and cache[hardware.cpu_key()]["flops"] == 4e10
     hardware.cpu_peak_flops.cache_clear()  # a new process on the same machine: the file
     assert metrics.total_peak_flops(cpus, "float32") == 4e10 and len(probe) == 1
     # another machine (CPU model or cores) sharing the cache directory probes its own
@@ -69,6 +69,24 @@ def test_cpu_peak_is_probed_once_per_machine_and_cached(probe, tmp_path, monkeyp
     assert len(probe) == 2
     assert set(json.loads((tmp_path / "cpu_peak_flops.json").read_text())) == {
         "other cpu x64", *cache}
+
+
+def test_a_lower_reading_never_replaces_a_higher_cached_one(probe, tmp_path, monkeypatch):
+    """A probe under load reads low: an old cache entry is probed again, and the best
+    reading stays; a fresh one is not probed at all."""
+    path = tmp_path / "cpu_peak_flops.json"
+    week = hardware.CPU_PEAK_MAX_AGE_DAYS * 86400
+    path.write_text(json.dumps({hardware.cpu_key(): {"flops": 9e10, "probed": 0.0}}))
+    assert hardware.cpu_peak_flops() == 9e10 and len(probe) == 1  # old: probed, 4e10 < 9e10
+    entry = json.loads(path.read_text())[hardware.cpu_key()]
+    assert entry["flops"] == 9e10 and entry["probed"] > week  # kept, and its probe dated
+    hardware.cpu_peak_flops.cache_clear()
+    assert hardware.cpu_peak_flops() == 9e10 and len(probe) == 1  # fresh: not probed again
+    # the older format (a bare number) is probed again and raised by a higher reading
+    path.write_text(json.dumps({hardware.cpu_key(): 1e10}))
+    hardware.cpu_peak_flops.cache_clear()
+    assert hardware.cpu_peak_flops() == 4e10 and len(probe) == 2
+    assert json.loads(path.read_text())[hardware.cpu_key()]["flops"] == 4e10
 
 
 def test_unwritable_cache_still_gives_the_probed_peak(probe, monkeypatch, tmp_path):

@@ -1,0 +1,52 @@
+"""Reference pages say what ode-lm does now; what was tried, and when, is in docs/log.md.
+A dated heading outside the log is a record that belongs in it, and a list kept in two
+places drifts, so each is written once."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+# 2026-12-05, 2026-12, "(2026": a date in a heading
+DATE = re.compile(r"\b(?:19|20)\d\d-\d\d(?:-\d\d)?\b|\((?:19|20)\d\d\b")
+
+
+def headings(path: Path) -> list[tuple[int, str]]:
+    """The markdown headings of a page, outside fenced code (where '#' is a comment)."""
+    out, fence = [], False
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence and re.match(r"#{1,6} ", line):
+            out.append((i, line))
+    return out
+
+
+def pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_no_dated_heading_outside_the_log():
+    dated = [f"{p.relative_to(REPO)}:{i}: {h}" for p in pages() if p.name != "log.md"
+             for i, h in headings(p) if DATE.search(h)]
+    assert not dated, dated
+
+
+def test_the_log_is_dated_and_newest_first():
+    dates = [DATE.search(h)[0] for _, h in headings(REPO / "docs" / "log.md")
+             if h.startswith("## ")]
+    assert dates and all(d.startswith("20") for d in dates)
+    assert dates == sorted(dates, reverse=True), dates
+
+
+def test_the_pattern_catches_what_it_says():
+    assert DATE.search("## Speed (2026-12-02) {#speed}")
+    assert DATE.search("### Demo (2026")
+    assert not DATE.search("## Train step: `cpu_small` on 2 cores, N=2048")
+    assert headings(REPO / "docs" / "log.md")[0] == (1, "# Log")
+
+
+def test_ten_common_tasks_are_written_once():
+    holders = [p.relative_to(REPO) for p in pages() if "# 10. " in p.read_text()]
+    assert holders == [Path("README.md")], holders
