@@ -7,6 +7,7 @@ The CLI cases are real subprocesses of the micro model (``data_helpers.micro_cli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -180,6 +181,44 @@ def test_second_ctrl_c_stops_at_once_in_one_line(work, finished):
     assert proc.returncode == 130, err[-3000:]
     lines = _lines(err)
     assert len(lines) == 1 and "Ctrl-C" in lines[0] and "Traceback" not in err, err
+    assert not (model / "run.lock").exists()
+
+
+# ------------------------------------------------------- a save that cannot finish
+
+
+@contextlib.contextmanager
+def _immutable(path: Path):
+    """``chattr +i``: not even root may write in ``path`` (chmod does not stop root)."""
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root on ext4-like filesystems)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@slow
+def test_a_save_that_cannot_be_written_fails_fast_in_one_line(work, finished):
+    model = _copy(finished, work / "read_only")
+    checkpoints = model / "checkpoints"
+    before = tree_hash(checkpoints)
+    gin = _gin(work, "read_only", model, 3)
+    with _immutable(checkpoints):
+        t0 = time.time()
+        r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}",
+                        "--gin.TRAIN_STEPS=5"])  # changed settings: a config.3.gin to keep
+        took = time.time() - t0
+        assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+        lines = _lines(r.stderr)
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert lines[0].startswith("ode-lm-train: error: saving checkpoint step 4"), lines
+        assert f"cannot write to {checkpoints}" in lines[0], lines
+        assert "latest complete checkpoint is still step 3" in lines[0], lines
+        assert took < 120, f"{took:.0f}s: the failed save waited for orbax's timeout"
+        assert tree_hash(checkpoints) == before  # the earlier checkpoints intact
+    assert not (model / "config.3.gin").exists(), "a config for a checkpoint never saved"
     assert not (model / "run.lock").exists()
 
 
