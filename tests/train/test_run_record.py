@@ -184,6 +184,66 @@ def test_second_ctrl_c_stops_at_once_in_one_line(work, finished):
     assert not (model / "run.lock").exists()
 
 
+# Ctrl-C pressed at a given point of the loop: the train CLI run with a hook method wrapped
+# to send SIGINT to its own process there (a press timed to the millisecond)
+_PRESS = """
+import os, signal, sys, time
+from ode_lm.training import hooks
+
+def press():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)  # the handler runs here, in the main thread
+
+{patch}
+from ode_lm.commands import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+_DURING_FINAL_EVAL = """
+evaluate = hooks.Evaluate.__call__
+def wrapped(self, info):
+    if info.step >= info.total_steps:
+        press()
+    return evaluate(self, info)
+hooks.Evaluate.__call__ = wrapped
+"""
+
+_TWICE_AROUND_THE_SAVE = """
+save = hooks.Save.__call__
+def wrapped(self, info):
+    save(self, info)
+    if info.step == 2 or info.stopped_by:  # the first press; the second once step 3 is saved
+        press()
+hooks.Save.__call__ = wrapped
+"""
+
+
+def _press(work: Path, name: str, steps: int, patch: str) -> tuple[subprocess.CompletedProcess,
+                                                                  Path]:
+    model = work / name
+    gin = _gin(work, name, model, steps, "CheckpointConfig.save_every = 100_000\n")
+    return _cmd(work, ["-c", _PRESS.format(patch=patch), f"--gin_file={gin}"]), model
+
+
+@slow
+def test_ctrl_c_during_the_final_eval_stops_as_during_training(work, finished):
+    r, model = _press(work, "ctrl_c_final_eval", 3, _DURING_FINAL_EVAL)
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert _lines(r.stderr) == [], r.stderr[-3000:]
+    assert _lines(r.stdout)[-1] == "stopped by Ctrl-C after step 3; checkpoint saved", r.stdout
+    assert _ckpt_steps(model) == [3]
+
+
+@slow
+def test_a_second_ctrl_c_names_the_latest_complete_checkpoint(work, finished):
+    r, model = _press(work, "ctrl_c_after_save", 100, _TWICE_AROUND_THE_SAVE)
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert _ckpt_steps(model) == [3]  # the first press stopped after step 3, which saved
+    assert _lines(r.stderr) == ["ode-lm-train: stopped by a second Ctrl-C at step 3; the "
+                                "latest complete checkpoint is step 3"], r.stderr[-3000:]
+    assert not (model / "run.lock").exists()
+
+
 # ------------------------------------------------------- a save that cannot finish
 
 
