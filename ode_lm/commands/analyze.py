@@ -138,14 +138,31 @@ def run(args: argparse.Namespace) -> list[str]:
     return head + [f"{len(tokens)} tokens"] + lines
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' own values, before a checkpoint is read: a bad one is a usage error."""
+    if args.num_steps is not None and args.num_steps < 1:
+        raise cli.UsageError(f"--num_steps={args.num_steps}: must be >= 1")
+    if args.num_times < 1:
+        raise cli.UsageError(f"--num_times={args.num_times}: must be >= 1")
+    bad = [t for t in args.times or () if not 0.0 <= t <= 1.0]
+    if bad:
+        raise cli.UsageError(f"--times={','.join(map(str, args.times))}: {bad[0]} is outside "
+                             "[0, 1]")
+    cli.check_out_dir(args.out)
+    if args.data_dir is not None:
+        cli.check_out_dir(args.data_dir, "--data_dir")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm analyze") -> int:
     args = build_parser(prog).parse_args(argv)
+    cli.setup_logging()
     return cli.run_command(prog, lambda: analyze(args))
 
 
 def analyze(args: argparse.Namespace) -> int:
     from ode_lm.analysis.reports import write_summary
 
+    check_flags(args)
     start = time.perf_counter()
     lines = run(args)
     lines.append(f"{args.command} took {time.perf_counter() - start:.1f} s")

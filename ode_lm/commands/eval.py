@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     steps = args.num_steps or [None]
     if any(s is not None and s < 1 for s in steps):
         flag = ",".join(map(str, args.num_steps))
-        raise ValueError(f"--num_steps={flag}: every entry must be >= 1")
+        raise cli.UsageError(f"--num_steps={flag}: every entry must be >= 1")
     results = lm_eval_run(args, steps) if args.lm_eval_tasks else evaluate_run(
         args.model_dir, steps, args.solver, args.step, args.split, args.rtol, args.atol)
     for k, v in results.items():
