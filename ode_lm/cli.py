@@ -107,10 +107,18 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
         raise FileExistsError(f"{flag}={path}: is a file, not a directory")
 
 
+_RST_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as a terminal shows it: reST literals (double backticks) unmarked."""
+    return _RST_LITERAL.sub(r"\1", doc)
+
+
 def doc_parser(prog: str, doc: str) -> ArgumentParser:
     """A command's parser from its module docstring: the first paragraph is the description,
     the rest (usage examples, notes) the epilog, printed as written."""
-    head, _, rest = doc.partition("\n\n")
+    head, _, rest = plain_text(doc).partition("\n\n")
     return ArgumentParser(prog=prog, description=head, epilog=rest,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 
