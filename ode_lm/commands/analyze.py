@@ -85,12 +85,13 @@ def read_tokens(tok, text: str | None, text_file: str | None,
 
     given = [x is not None for x in (text, text_file, tokens)]
     if sum(given) != 1:
-        raise ValueError("give exactly one of --text, --text_file, --tokens")
+        raise cli.UsageError("give exactly one of --text, --text_file, --tokens")
     if tokens is not None:
         try:
             ids = np.array([int(x) for x in tokens.split(",") if x.strip()], np.int64)
         except ValueError:
-            raise ValueError(f"--tokens={tokens!r}: expected comma-separated integers") from None
+            raise cli.UsageError(f"--tokens={tokens!r}: expected comma-separated integers"
+                                 ) from None
     else:
         if text_file is not None:
             if not os.path.isfile(text_file):
@@ -142,8 +143,10 @@ def check_flags(args: argparse.Namespace) -> None:
     """The flags' own values, before a checkpoint is read: a bad one is a usage error."""
     if args.num_steps is not None and args.num_steps < 1:
         raise cli.UsageError(f"--num_steps={args.num_steps}: must be >= 1")
-    if args.num_times < 1:
-        raise cli.UsageError(f"--num_times={args.num_times}: must be >= 1")
+    for flag in ("num_times", "mlp_units", "chunk_size", "num_exponents"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise cli.UsageError(f"--{flag}={value}: must be >= 1")
     bad = [t for t in args.times or () if not 0.0 <= t <= 1.0]
     if bad:
         raise cli.UsageError(f"--times={','.join(map(str, args.times))}: {bad[0]} is outside "
