@@ -191,13 +191,12 @@ class Checkpointer:
             raise self._save_error(step, e, f"cannot write to {self.directory}: {reason}") from e
 
     def is_written(self, step: int) -> bool:
-        """Whether ``step``'s save has finished and is complete on disk (never blocks; a
-        failed save is raised by the next ``save``/``check_for_errors``)."""
-        if self._worker is not None and (self._worker.busy() or self._worker.error):
+        """Whether ``step`` is complete on disk (never blocks): orbax lists a step only
+        once its temporary directory is renamed into place, after the last byte."""
+        try:
+            return step in complete_steps(self.directory)
+        except OSError:
             return False
-        if self.manager.is_saving_in_progress():
-            return False
-        return step in complete_steps(self.directory)
 
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` writes: orbax's decision (``manager.should_save``: on the

@@ -160,13 +160,23 @@ class Save:
         ckpt = self.checkpointer
         if info.last or ckpt.should_save(info.step):
             self.metrics.drain(dispatched=info.step)
-        if ckpt.save(info.step, info.state, info.data, force=info.last):
-            self.saved = info.step
-            if self._write_run_files is not None and self._files_for is None:
-                self._files_for = info.step
-        if info.last:
-            ckpt.wait()
-        if self._files_for is not None and (info.last or ckpt.is_written(self._files_for)):
+        try:
+            if ckpt.save(info.step, info.state, info.data, force=info.last):
+                self.saved = info.step
+                if self._write_run_files is not None and self._files_for is None:
+                    self._files_for = info.step
+            if info.last:
+                ckpt.wait()
+        except Exception:  # a later save failed: an earlier complete one keeps its record
+            self._record_written()
+            raise
+        self._record_written(done=info.last)
+
+    def _record_written(self, done: bool = False) -> None:
+        """The run files, once the checkpoint they wait for is complete (``done``: every
+        save handed over has been waited for)."""
+        if self._files_for is not None and (done or self.checkpointer.is_written(
+                self._files_for)):
             self._write_run_files()
             self._write_run_files = self._files_for = None
 

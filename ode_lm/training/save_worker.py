@@ -38,10 +38,6 @@ class SaveWorker:
         """Queue ``fn``; blocks while a call is queued and not yet started."""
         self._jobs.put((step, fn))
 
-    def busy(self) -> bool:
-        """A submitted call has not returned yet."""
-        return self._jobs.unfinished_tasks > 0
-
     def join(self) -> None:
         """Block until every submitted call has returned."""
         self._jobs.join()
