@@ -207,3 +207,22 @@ def test_tokenizer_files_copied_from_prepared_data(tmp_path):
         text = "the solver takes step 7"
         assert hf(text)["input_ids"] == [int(i) for i in ours.encode(text)]
         assert hf.eos_token_id == ours.eos_id
+
+
+def test_overwrite_replaces_an_export_and_refuses_without_it(tmp_path, capsys):
+    """A rerun of an export needs --overwrite; with it the new export is swapped in whole,
+    nothing of the old one left and no staging directory beside it."""
+    run = str(tmp_path / "run")
+    make_run(run, tiny_config("llama"))
+    out = tmp_path / "raw"
+    argv = [f"--model_dir={run}", "--format=raw", f"--out={out}", "--weights_only"]
+    assert _cli(argv) == 0
+    (out / "stale.txt").write_text("from an older export")
+    capsys.readouterr()
+    assert _cli(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("directory exists and is not empty (--overwrite replaces it)"), err
+    assert (out / "stale.txt").exists()
+    assert _cli([*argv, "--overwrite"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "run"]
