@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from collections.abc import Sequence
 
 from ode_lm import cli
@@ -56,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
                      text_field=args.text_field, text_delimiter=delimiter,
                      non_utf8=args.non_utf8, holdout_fraction=args.holdout_fraction,
                      holdout_seed=args.holdout_seed, docs_per_shard=args.docs_per_shard)
-    m = prepare(cfg, num_proc=args.num_proc, progress=not args.no_progress)
+    # the bar only on a terminal: in a log its redraws are fragments before any error line
+    m = prepare(cfg, num_proc=args.num_proc,
+                progress=not args.no_progress and sys.stderr.isatty())
     for split, info in m["splits"].items():
         print(f"{split}: {info['documents']} documents, {info['tokens']} tokens, "
               f"{len(info['shards'])} shards")

@@ -250,6 +250,10 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
                 bar.update(len(docs))
         for f in cf.as_completed(pending):
             markers[pending[f]] = f.result()
+    except BaseException:
+        if bar is not None:  # no half bar left above the error line
+            bar.leave = False
+        raise
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -130,3 +130,32 @@ def test_aot_quiets_libtpu_before_it_loads():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=300, check=True).stdout.split()
     assert out == ["0", "3"]
+
+
+def test_a_failed_prepare_leaves_no_progress_bar_line(tmp_path, monkeypatch, capsys):
+    """On a terminal the bar is drawn; when a chunk fails it is erased, not left as a line
+    above the error (off a terminal ``ode-lm prepare`` draws none)."""
+    import importlib
+    import json
+
+    from ode_lm.data import DataConfig
+
+    prep = importlib.import_module("ode_lm.data.prepare")
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n"
+                              for i in range(300)))
+    real = prep._process_chunk
+
+    def fail_third(root, chunk, *args):
+        if chunk == 2:
+            raise OSError("No space left on device")
+        return real(root, chunk, *args)
+
+    monkeypatch.setattr(prep, "_process_chunk", fail_third)
+    cfg = DataConfig(source=str(source), data_dir=str(tmp_path / "data"), tokenizer="bytes",
+                     docs_per_shard=50)
+    with pytest.raises(OSError, match="No space left"):
+        prep.prepare(cfg, num_proc=1, progress=True, log=lambda *_: None)
+    err = capsys.readouterr().err
+    assert "prepare:" in err and "\n" not in err  # drawn, then erased: no line left
+    assert err.split("\r")[-1].strip() == ""
