@@ -41,10 +41,35 @@ def build_parser(prog: str = "ode-lm prepare") -> argparse.ArgumentParser:
     return ap
 
 
+class HeldWarnings(logging.Handler):
+    """The run's warnings (a skipped source file, an odd tokenizer), held until it ends:
+    printed after a run that succeeds, dropped after one that fails, whose one error line
+    says what stopped it."""
+
+    def __init__(self, prog: str):
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter(f"{prog}: warning: %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm prepare") -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
-    return cli.run_command(prog, lambda: run(args))
+    held = HeldWarnings(prog)
+    log = logging.getLogger("ode_lm")  # not on to the root: a library's handler there
+    propagate, log.propagate = log.propagate, False  # would print them at once
+    log.addHandler(held)
+    try:
+        code = cli.run_command(prog, lambda: run(args))
+    finally:
+        log.removeHandler(held)
+        log.propagate = propagate
+    if code == 0:
+        for line in held.lines:
+            print(line, file=sys.stderr)
+    return code
 
 
 def run(args: argparse.Namespace) -> int:

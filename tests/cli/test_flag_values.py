@@ -159,3 +159,31 @@ def test_a_failed_prepare_leaves_no_progress_bar_line(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert "prepare:" in err and "\n" not in err  # drawn, then erased: no line left
     assert err.split("\r")[-1].strip() == ""
+
+
+def test_prepare_warnings_wait_for_the_outcome(tmp_path):
+    """A skipped file's warning is printed after a run that succeeds, and not before the one
+    error line of a run that fails (the error says what was skipped)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    env.pop("ODE_LM_DEBUG", None)
+
+    def prepare(source: Path, data: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ode_lm", "prepare", f"--source={source}",
+                               f"--data_dir={tmp_path / data}", "--tokenizer=bytes",
+                               "--no_progress", "--num_proc=1"], env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    r = prepare(empty, "d1")
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("ode-lm prepare: error: ") and "1 empty" in r.stderr
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    (mixed / "a.txt").write_text("")
+    (mixed / "b.txt").write_text("a document")
+    r = prepare(mixed, "d2")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == [
+        f"ode-lm prepare: warning: source file skipped (empty): {mixed / 'a.txt'}: empty file"]
