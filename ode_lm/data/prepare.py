@@ -260,8 +260,7 @@ def prepare(cfg: DataConfig, *, num_proc: int | None = None, progress: bool = Tr
         if bar is not None:
             bar.close()
     if num_docs == 0:
-        why = f" ({skipped.describe()})" if skipped.reasons else ""
-        raise sources_lib.SourceError(f"source {cfg.source!r}: no documents{why}")
+        raise sources_lib.SourceError(f"source {cfg.source!r}: no documents")
     manifest = _assemble(cfg, tok, dtype, [markers[c] for c in range(num_chunks)], skipped)
     _write_atomic(root / MANIFEST, json.dumps(manifest, indent=1))
     dt = time.perf_counter() - start
