@@ -82,26 +82,43 @@ int_list = _list_type(int, "int")  # argparse type for '2,4,8'; the error names 
 float_list = _list_type(float, "float")
 
 
-def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None) -> None:
+def check_solver_flags(solver: str | None, rtol: float | None, atol: float | None, *,
+                       flag: str = "--solver") -> None:
     """``--solver`` / ``--rtol`` / ``--atol`` of the commands that solve a saved run (eval,
-    depth-report), checked before anything is restored."""
+    sample, depth-report), checked before anything is restored: a bad value is a usage error
+    (exit 2) naming ``flag``, the flag the user typed (``--solvers`` for a list)."""
     from ode_lm.models import solvers as solvers_lib
 
     if solver is not None:
         try:
             solvers_lib.check_solver(solver, adaptive_ok=True)
         except ValueError as e:
-            raise ValueError(f"--{e}") from None
+            raise UsageError(f"{flag}={solver!r}: {str(e).partition(': ')[2]}") from None
     if rtol is not None and not rtol > 0:
-        raise ValueError(f"--rtol={rtol}: must be > 0")
+        raise UsageError(f"--rtol={rtol}: must be > 0")
     if atol is not None and not atol >= 0:
-        raise ValueError(f"--atol={atol}: must be >= 0")
+        raise UsageError(f"--atol={atol}: must be >= 0")
+
+
+def check_out_dir(path: str, flag: str = "--out") -> None:
+    """A directory flag that names an existing file: one line naming it, before any work
+    (``os.makedirs`` would say only ``[Errno 17] File exists``)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise FileExistsError(f"{flag}={path}: is a file, not a directory")
+
+
+_RST_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(doc: str) -> str:
+    """A docstring as a terminal shows it: reST literals (double backticks) unmarked."""
+    return _RST_LITERAL.sub(r"\1", doc)
 
 
 def doc_parser(prog: str, doc: str) -> ArgumentParser:
     """A command's parser from its module docstring: the first paragraph is the description,
     the rest (usage examples, notes) the epilog, printed as written."""
-    head, _, rest = doc.partition("\n\n")
+    head, _, rest = plain_text(doc).partition("\n\n")
     return ArgumentParser(prog=prog, description=head, epilog=rest,
                           formatter_class=argparse.RawDescriptionHelpFormatter)
 

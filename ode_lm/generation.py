@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ode_lm.errors import UsageError
 from ode_lm.models import solvers
 from ode_lm.models.common import compute_dtype
 from ode_lm.models.config import ModelConfig
@@ -39,7 +40,7 @@ from ode_lm.models.vector_field import KVCache, VectorField
 
 def check_num_steps(num_steps: int | None, flag: str = "--num_steps") -> None:
     if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
-        raise ValueError(f"{flag}={num_steps!r}: must be a positive number of solver steps")
+        raise UsageError(f"{flag}={num_steps!r}: must be a positive number of solver steps")
 
 
 # ----------------------------------------------------------------------------- the program
@@ -217,20 +218,20 @@ def generate(
     left-padded to at least ``min_width`` tokens (padding never changes the output)."""
     check_num_steps(num_steps)
     if max_new_tokens <= 0:
-        raise ValueError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
+        raise UsageError(f"--max_new_tokens={max_new_tokens}: must be >= 1")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"--top_p={top_p}: must be in (0, 1]")
+        raise UsageError(f"--top_p={top_p}: must be in (0, 1]")
     if not temperature >= 0.0:  # NaN too
-        raise ValueError(f"--temperature={temperature}: must be >= 0 (0 = greedy)")
+        raise UsageError(f"--temperature={temperature}: must be >= 0 (0 = greedy)")
     config = model.config
     num_steps = config.num_steps if num_steps is None else num_steps
     solver = config.solver if solver is None else solver
     solvers.check_solver(solver, adaptive_ok=True)
     tokens, valid = left_pad(prompts, min_width=min_width)
     if tokens.shape[1] + max_new_tokens > config.max_seq_len and config.flavour == "gpt2":
-        raise ValueError(
-            f"prompt ({tokens.shape[1]}) + max_new_tokens ({max_new_tokens}) exceeds the learned "
-            f"positions (max_seq_len={config.max_seq_len})"
+        raise UsageError(
+            f"--max_new_tokens={max_new_tokens}: the prompt ({tokens.shape[1]}) + "
+            f"max_new_tokens exceeds the learned positions (max_seq_len={config.max_seq_len})"
         )
     graphdef, state = nnx.split(model)
     if solvers.is_adaptive(solver):

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 
+from ode_lm.errors import UsageError
 from ode_lm.hardware import CHIP_SPECS, TPU_GENERATIONS, ChipSpec
 
 
@@ -66,21 +67,21 @@ class Topology:
 def parse_topology(name: str, num_slices: int = 1) -> Topology:
     """'v5p-128' / 'v5e-256' / 'v4-64' / 'v6e-256' or raw 'v5p:4x4x4' -> Topology."""
     if num_slices < 1:
-        raise ValueError(f"--num_slices={num_slices}: must be >= 1")
+        raise UsageError(f"--num_slices={num_slices}: must be >= 1")
     known = ", ".join(sorted(CHIPS))
     if m := re.fullmatch(r"([a-z0-9]+):(\d+(?:x\d+)+)", name):
         gen, dims = ALIASES.get(m[1], m[1]), tuple(int(d) for d in m[2].split("x"))
         if gen not in CHIPS:
-            raise ValueError(f"--topology={name!r}: unknown TPU generation {m[1]!r} ({known})")
+            raise UsageError(f"--topology={name!r}: unknown TPU generation {m[1]!r} ({known})")
         chip = CHIPS[gen]
         if len(dims) != chip.dims or min(dims) < 1:
-            raise ValueError(f"--topology={name!r}: {gen} needs {chip.dims} dimensions, "
+            raise UsageError(f"--topology={name!r}: {gen} needs {chip.dims} dimensions, "
                              f"e.g. {gen}:{'x'.join(['2'] * chip.dims)}")
         return Topology(name, f"{gen}:{m[2]}", chip, math.prod(dims), num_slices)
     if m := re.fullmatch(r"([a-z0-9]+)-(\d+)", name):
         gen = ALIASES.get(m[1], m[1])
         if gen not in CHIPS:
-            raise ValueError(f"--topology={name!r}: unknown TPU generation {m[1]!r} ({known})")
+            raise UsageError(f"--topology={name!r}: unknown TPU generation {m[1]!r} ({known})")
         chip = CHIPS[gen]
         cores = int(m[2])
         chips = cores // chip.cores_in_name
@@ -88,11 +89,11 @@ def parse_topology(name: str, num_slices: int = 1) -> Topology:
         if cores % chip.cores_in_name or chips not in shapes:
             sizes = ", ".join(f"{gen}-{c * chip.cores_in_name}" for c in shapes)
             example = f"{gen}:{'x'.join(['2'] * chip.dims)}"
-            raise ValueError(f"--topology={name!r}: no standard {gen} slice of that size "
+            raise UsageError(f"--topology={name!r}: no standard {gen} slice of that size "
                              f"({sizes}); give a raw shape such as {example}")
         raw = f"{gen}:{'x'.join(str(d) for d in shapes[chips])}"
         return Topology(name, raw, chip, chips, num_slices)
-    raise ValueError(f"--topology={name!r}: expected e.g. v5p-128, v5e-256, v4-64, v6e-256 "
+    raise UsageError(f"--topology={name!r}: expected e.g. v5p-128, v5e-256, v4-64, v6e-256 "
                      "or a raw shape such as v5p:4x4x4")
 
 

@@ -85,12 +85,13 @@ def read_tokens(tok, text: str | None, text_file: str | None,
 
     given = [x is not None for x in (text, text_file, tokens)]
     if sum(given) != 1:
-        raise ValueError("give exactly one of --text, --text_file, --tokens")
+        raise cli.UsageError("give exactly one of --text, --text_file, --tokens")
     if tokens is not None:
         try:
             ids = np.array([int(x) for x in tokens.split(",") if x.strip()], np.int64)
         except ValueError:
-            raise ValueError(f"--tokens={tokens!r}: expected comma-separated integers") from None
+            raise cli.UsageError(f"--tokens={tokens!r}: expected comma-separated integers"
+                                 ) from None
     else:
         if text_file is not None:
             if not os.path.isfile(text_file):
@@ -138,14 +139,33 @@ def run(args: argparse.Namespace) -> list[str]:
     return head + [f"{len(tokens)} tokens"] + lines
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """The flags' own values, before a checkpoint is read: a bad one is a usage error."""
+    if args.num_steps is not None and args.num_steps < 1:
+        raise cli.UsageError(f"--num_steps={args.num_steps}: must be >= 1")
+    for flag in ("num_times", "mlp_units", "chunk_size", "num_exponents"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise cli.UsageError(f"--{flag}={value}: must be >= 1")
+    bad = [t for t in args.times or () if not 0.0 <= t <= 1.0]
+    if bad:
+        raise cli.UsageError(f"--times={','.join(map(str, args.times))}: {bad[0]} is outside "
+                             "[0, 1]")
+    cli.check_out_dir(args.out)
+    if args.data_dir is not None:
+        cli.check_out_dir(args.data_dir, "--data_dir")
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm analyze") -> int:
     args = build_parser(prog).parse_args(argv)
+    cli.setup_logging()
     return cli.run_command(prog, lambda: analyze(args))
 
 
 def analyze(args: argparse.Namespace) -> int:
     from ode_lm.analysis.reports import write_summary
 
+    check_flags(args)
     start = time.perf_counter()
     lines = run(args)
     lines.append(f"{args.command} took {time.perf_counter() - start:.1f} s")

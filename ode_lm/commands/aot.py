@@ -28,6 +28,12 @@ from collections.abc import Sequence
 
 # Compile-only TPU devices never touch hardware, so several compiles may share libtpu.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# libtpu logs to stderr from C++ as it loads (on a CPU host: ``E0000 ... unexpected worker
+# hostname``), before any Python logging is set up: errors only, fatal ones, unless the user
+# asked for its logs. Set before jax (and so libtpu) is imported.
+for _name, _level in (("TPU_STDERR_LOG_LEVEL", "3"), ("TPU_MIN_LOG_LEVEL", "3"),
+                      ("TF_CPP_MIN_LOG_LEVEL", "3"), ("GRPC_VERBOSITY", "ERROR")):
+    os.environ.setdefault(_name, _level)
 
 from ode_lm import cli  # noqa: E402
 from ode_lm.bench.topology import (  # noqa: E402,F401  (re-exported for tests)
@@ -383,7 +389,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm aot") -> int:
 
 def run(args: argparse.Namespace, rest: list[str], prog: str = "ode-lm aot") -> int:
     if args.step_time <= 0:
-        raise ValueError(f"--step_time={args.step_time}: must be > 0")
+        raise cli.UsageError(f"--step_time={args.step_time}: must be > 0")
     for flag in ("json", "hlo"):
         path = getattr(args, flag)
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):

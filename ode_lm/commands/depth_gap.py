@@ -66,7 +66,8 @@ def solver_label(solver: str) -> str:
 
 
 def eval_rows(run_dir: str) -> list[dict]:
-    """The eval rows of a run's metrics file, by step (a re-run step's later row wins)."""
+    """The eval rows of a run's metrics file, by step: the rows of one step merged, a later
+    figure winning (a re-run step's, or one ``ode-lm eval --log`` appended)."""
     path = Path(RunDir(run_dir).metrics)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (not a run directory?)")
@@ -76,7 +77,7 @@ def eval_rows(run_dir: str) -> list[dict]:
     for line in path.read_text().splitlines():
         row = json.loads(line)
         if own in row:
-            rows[row["step"]] = row
+            rows.setdefault(row["step"], {}).update(row)
         if SPEED in row:
             train.append(row)
     for step, row in rows.items():

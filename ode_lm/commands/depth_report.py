@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--rtols={','.join(map(str, args.rtols))}: every tolerance must "
                          "be > 0")
     for s in args.solvers.split(","):
-        cli.check_solver_flags(s, None, args.atol)
+        cli.check_solver_flags(s, None, args.atol, flag="--solvers")
     baseline_dirs = [d for d in (args.baselines or "").split(",") if d]
     if args.baselines is not None and not baseline_dirs:
         raise ValueError(f"--baselines={args.baselines!r}: expected DIR,... (run directories)")
@@ -180,9 +180,9 @@ def _table(reports: dict) -> str:
         lines.append("|---|" + "---:|" * len(ns))
         for solver, row in rep["ppl"].items():
             lines.append(f"| {solver} | " + " | ".join(f"{row[str(n)]:.1f}" for n in ns) + " |")
-        for a in rep["adaptive"]:
+        for a in rep["adaptive"]:  # one value, not one per N: the rest of the row blank
             lines.append(f"| adaptive rtol={a['rtol']:g}: ppl {a['ppl']:.1f}, "
-                         f"NFE {a['nfe']:.1f} |")
+                         f"NFE {a['nfe']:.1f} |" + " |" * len(ns))
     return "\n".join(lines)
 
 

@@ -6,6 +6,14 @@ adaptive solver (``--solver=adaptive --rtol=1e-3``: Bogacki–Shampine 3(2), or 
 which also reports the mean number of vector-field evaluations (NFE) per batch. The data
 and model settings come from ``MODEL_DIR/{data,model}_config.json``; the mesh is all local
 devices.
+``--solves="euler:4,6,8 rk4:8 adaptive:1e-3"`` evaluates several solves in one call (one
+restore, one data pass per setting): space-separated groups ``SOLVER:N,N,...`` for a
+fixed-grid solver (euler, midpoint, rk4) at each N, ``SOLVER:RTOL,...`` for an adaptive one
+(adaptive, bosh3, dopri5) at each tolerance, or a bare ``N,N,...`` for the run's own solver;
+the run's own solver and N are always evaluated too, and every other setting is printed
+with its gap to them (``eval/depth_gap/<setting>``, as the trainer logs it).
+``--log`` appends the results to MODEL_DIR/metrics.jsonl as one row at the checkpoint's step,
+in the trainer's format, so ``ode-lm depth-gap table/plot`` shows them.
 ``--lm_eval_tasks=TASKS [--lm_eval_include_path=DIR]`` runs lm-eval tasks on the checkpoint
 instead (``ode_lm.harness``; at each ``--num_steps``), with no export.
 """
@@ -23,8 +31,50 @@ DESCRIPTION = ("Evaluate a saved run on its validation split (loss, perplexity; 
                "adaptive solvers) at any number of ODE steps and solver, or on lm-eval tasks.")
 
 
+SOLVES_HELP = """--solves syntax: space-separated groups, in one quoted argument
+  euler:4,6,8       a fixed-grid solver (euler | midpoint | rk4) at each N
+  adaptive:1e-3     an adaptive solver (adaptive | bosh3 | dopri5) at each rtol
+  8,12              the run's own solver at each N
+The run's own solver and N are always evaluated; each other setting's gap to them is printed
+(eval/depth_gap/<setting>). --log appends the row to MODEL_DIR/metrics.jsonl."""
+
+
+def parse_solves(text: str) -> list:
+    """``--solves`` → ``[Solve, ...]`` in the order given (``SOLVES_HELP``); a bad group is
+    a usage error naming it."""
+    from ode_lm.models import solvers as solvers_lib
+    from ode_lm.training.metric_names import Solve
+
+    def bad(group: str, why: str) -> cli.UsageError:
+        return cli.UsageError(f"--solves={text!r}: {group!r}: {why}")
+
+    solves = []
+    for group in text.split():
+        solver, _, values = group.rpartition(":")
+        adaptive = solvers_lib.is_adaptive(solver)
+        if solver and solver not in solvers_lib.SOLVERS and not adaptive:
+            allowed = solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS
+            raise bad(group, f"unknown solver {solver!r}; expected one of {allowed}")
+        items = values.split(",")
+        for item in items:
+            try:
+                number = float(item) if adaptive else int(item)
+            except ValueError:
+                what = "a tolerance" if adaptive else "a whole number of steps"
+                raise bad(group, f"{item!r} is not {what}") from None
+            if not number > 0:
+                raise bad(group, f"{item} must be > 0")
+            solves.append(Solve(solver, rtol=number) if adaptive
+                          else Solve(solver or None, number))
+    if not solves:
+        raise cli.UsageError(f"--solves={text!r}: expected e.g. \"euler:4,6,8 rk4:8 "
+                             "adaptive:1e-3\"")
+    return solves
+
+
 def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Namespace:
-    p = cli.ArgumentParser(prog=prog, description=DESCRIPTION)
+    p = cli.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=SOLVES_HELP,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_dir", required=True)
     p.add_argument("--num_steps", type=cli.int_list, default=None,
                    help="ODE steps, comma-separated for a sweep (default: the model's)")
@@ -34,6 +84,13 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Names
                    help="adaptive solvers: relative tolerance (default: ModelConfig.rtol)")
     p.add_argument("--atol", type=float, default=None,
                    help="adaptive solvers: absolute tolerance (default: ModelConfig.atol)")
+    p.add_argument("--solves", default=None, metavar="'SOLVER:N,... SOLVER:RTOL,...'",
+                   help="several solves in one call, e.g. \"euler:4,6,8 rk4:8 adaptive:1e-3\" "
+                        "(instead of --num_steps/--solver/--rtol); each with its gap to the "
+                        "run's own solver and N")
+    p.add_argument("--log", action="store_true",
+                   help="append the results to MODEL_DIR/metrics.jsonl at the checkpoint's "
+                        "step (what ode-lm depth-gap reads)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--split", default="validation")
     p.add_argument("--lm_eval_tasks", default=None,
@@ -56,13 +113,33 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
     adaptive), and ``eval/depth_gap/<setting>`` as the trainer logs it."""
     from ode_lm.gin_setup import run_dir
-    from ode_lm.training import metric_names as names
-    from ode_lm.training.evaluation import depth_gaps
     from ode_lm.training.saved_run import load_run
 
     cli.check_solver_flags(solver, rtol, atol)
     run = load_run(model_dir, step, read_run=run_dir)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
+    return _with_gaps(run, sweep)
+
+
+def evaluate_solves(model_dir: str, solves: Sequence, step: int | None = None,
+                    split: str = "validation", atol: float | None = None) -> dict[str, float]:
+    """``evaluate_run`` at each of ``solves`` (``parse_solves``), the run's own solver and N
+    among them always, so that every other setting has its depth gap."""
+    from ode_lm.gin_setup import run_dir
+    from ode_lm.training.metric_names import Solve
+    from ode_lm.training.saved_run import load_run
+
+    run = load_run(model_dir, step, read_run=run_dir)
+    evaluator = run.evaluator(split)
+    own = [] if "" in evaluator.settings(solves) else [Solve()]
+    return _with_gaps(run, evaluator.evaluate(run.params, [*own, *solves], atol=atol))
+
+
+def _with_gaps(run, sweep: dict[str, float]) -> dict[str, float]:
+    """The checkpoint's step, the figures, and each setting's gap to the run's own."""
+    from ode_lm.training import metric_names as names
+    from ode_lm.training.evaluation import depth_gaps
+
     # the trainer's drift metric, with the same names: each other setting against the own N
     figures = [names.parse(k) for k in sweep]
     settings = [f.suffix for f in figures if f.metric == names.PERPLEXITY and not f.eval_set]
@@ -87,17 +164,67 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
         num_fewshot=args.lm_eval_num_fewshot)}
 
 
+def log_results(model_dir: str, results: dict[str, float]) -> str:
+    """Append ``results`` as one metrics row at their step, as the trainer writes its evals
+    (``metrics.JsonlWriter``), holding the run's lock (not while it trains)."""
+    from ode_lm.training import run_lock
+    from ode_lm.training.metrics import JsonlWriter
+    from ode_lm.training.run_dir import RunDir
+
+    path = RunDir(model_dir).metrics
+    with run_lock.hold(model_dir):
+        writer = JsonlWriter(path)
+        try:
+            writer.write_scalars(int(results["step"]),
+                                 {k: v for k, v in results.items() if k != "step"})
+            writer.flush()
+        finally:
+            writer.close()
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     steps = args.num_steps or [None]
     if any(s is not None and s < 1 for s in steps):
         flag = ",".join(map(str, args.num_steps))
-        raise ValueError(f"--num_steps={flag}: every entry must be >= 1")
-    results = lm_eval_run(args, steps) if args.lm_eval_tasks else evaluate_run(
-        args.model_dir, steps, args.solver, args.step, args.split, args.rtol, args.atol)
+        raise cli.UsageError(f"--num_steps={flag}: every entry must be >= 1")
+    solves = None
+    if args.solves is not None:
+        given = [f for f in ("num_steps", "solver", "rtol") if getattr(args, f) is not None]
+        if given or args.lm_eval_tasks:
+            other = f"--{given[0]}" if given else "--lm_eval_tasks"
+            raise cli.UsageError(f"--solves and {other}: give one of them")
+        solves = parse_solves(args.solves)
+        cli.check_solver_flags(None, None, args.atol)
+    if args.lm_eval_tasks:
+        results = lm_eval_run(args, steps)
+    elif solves is not None:
+        results = evaluate_solves(args.model_dir, solves, args.step, args.split, args.atol)
+    else:
+        results = evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
+                               args.rtol, args.atol)
     for k, v in results.items():
         print(f"{k}: {v:.4f}")
+    if solves is not None:
+        print(gap_lines(results))
+    if args.log:
+        print(f"logged to {log_results(args.model_dir, results)} at step {int(results['step'])}")
     print(json.dumps(results))
     return 0
+
+
+def gap_lines(results: dict[str, float]) -> str:
+    """One line per setting: its perplexity and its gap to the run's own solver and N."""
+    from ode_lm.training import metric_names as names
+
+    own = results[names.name(names.PERPLEXITY)]
+    lines = [f"own solver and N: perplexity {own:.2f}"]
+    for key, gap in results.items():
+        if key.startswith(names.GAP_PREFIX):
+            setting = key[len(names.GAP_PREFIX):]
+            ppl = results.get(names.name(names.PERPLEXITY, f"@{setting}"), float("nan"))
+            lines.append(f"{setting}: perplexity {ppl:.2f}, gap {gap:+.2%}")
+    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-eval") -> int:

@@ -2,7 +2,7 @@
 
   ode-lm export --model_dir=RUN --format=hf --out=DIR [--num_steps=M]
       [--step=S] [--dtype=fp32|bf16] [--verify] [--data_dir=PREPARED | --weights_only]
-      [--max_shard_mb=N]
+      [--max_shard_mb=N] [--overwrite]
 
 Formats: raw (hypernetwork parameters as safetensors + JSON config, lossless), hf (the model
 materialised at M Euler steps; neox → GPTNeoXForCausalLM, gpt2/llama → shipped modelling
@@ -25,7 +25,11 @@ def build_parser(prog: str = "ode-lm export") -> argparse.ArgumentParser:
     p = cli.doc_parser(prog, __doc__)
     p.add_argument("--model_dir", required=True, help="training or fine-tuning run directory")
     p.add_argument("--format", required=True, help=f"one of {', '.join(FORMATS)}")
-    p.add_argument("--out", required=True, help="export directory (created; must be empty)")
+    p.add_argument("--out", required=True,
+                   help="export directory (created; must be empty unless --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --out: the new export is written beside it and "
+                        "swapped in when complete (the old one stays if the export fails)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--num_steps", type=int, default=None,
                    help="hf: materialise the ODE at M Euler steps (default: the run's)")
@@ -49,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         args.model_dir, args.format, args.out, step=args.step, num_steps=args.num_steps,
         dtype=args.dtype, verify_logits=args.verify, data_dir=args.data_dir,
         max_shard_bytes=int(args.max_shard_mb * 1024 * 1024), weights_only=args.weights_only,
+        overwrite=args.overwrite,
     )
     print(f"exported step {result.step} of {args.model_dir} as {result.format} to {result.out_dir}"
           f" ({len(result.files)} files, {time.time() - t0:.1f}s)")
@@ -60,5 +65,6 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm export") -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # one CPU is enough, before jax loads
     args = build_parser(prog).parse_args(argv)
+    cli.setup_logging()
     # AssertionError: --verify's logit comparison failing is the run's failure, not a bug
     return cli.run_command(prog, lambda: run(args), errors=(AssertionError,))

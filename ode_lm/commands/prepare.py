@@ -51,10 +51,35 @@ def build_parser(prog: str = "ode-lm prepare") -> argparse.ArgumentParser:
     return ap
 
 
+class HeldWarnings(logging.Handler):
+    """The run's warnings (a skipped source file, an odd tokenizer), held until it ends:
+    printed after a run that succeeds, dropped after one that fails, whose one error line
+    says what stopped it."""
+
+    def __init__(self, prog: str):
+        super().__init__(logging.WARNING)
+        self.setFormatter(logging.Formatter(f"{prog}: warning: %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm prepare") -> int:
     args = build_parser(prog).parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"{prog}: warning: %(message)s")
-    return cli.run_command(prog, lambda: run(args, prog))
+    held = HeldWarnings(prog)
+    log = logging.getLogger("ode_lm")  # not on to the root: a library's handler there
+    propagate, log.propagate = log.propagate, False  # would print them at once
+    log.addHandler(held)
+    try:
+        code = cli.run_command(prog, lambda: run(args, prog))
+    finally:
+        log.removeHandler(held)
+        log.propagate = propagate
+    if code == 0:
+        for line in held.lines:
+            print(line, file=sys.stderr)
+    return code
 
 
 def split_warnings(manifest: dict[str, Any]) -> list[str]:
@@ -99,7 +124,9 @@ def run(args: argparse.Namespace, prog: str = "ode-lm prepare") -> int:
                      text_field=args.text_field, text_delimiter=delimiter,
                      non_utf8=args.non_utf8, holdout_fraction=args.holdout_fraction,
                      holdout_seed=args.holdout_seed, docs_per_shard=args.docs_per_shard)
-    m = prepare(cfg, num_proc=args.num_proc, progress=not args.no_progress)
+    # the bar only on a terminal: in a log its redraws are fragments before any error line
+    m = prepare(cfg, num_proc=args.num_proc,
+                progress=not args.no_progress and sys.stderr.isatty())
     for split, info in m["splits"].items():
         print(f"{split}: {info['documents']} documents, {info['tokens']} tokens, "
               f"{len(info['shards'])} shards")

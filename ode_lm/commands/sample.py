@@ -51,12 +51,35 @@ def load_tokenizer(model_dir: str, data_dir: str | None):
     return get_tokenizer(manifest["tokenizer"]["spec"], data_dir)
 
 
+def solve_text(args: argparse.Namespace, config) -> str:
+    """The solve that made the text: its solver with M steps, or its tolerance."""
+    from ode_lm.models.solvers import is_adaptive
+
+    solver = args.solver or config.solver
+    if is_adaptive(solver):
+        rtol = config.rtol if args.rtol is None else args.rtol
+        return f"{solver} rtol={rtol:g}"
+    return f"{solver} M={args.num_steps or config.num_steps}"
+
+
+def count_text(counts: list[int], max_new: int) -> str:
+    """How many tokens each prompt got: fewer than asked when it reached end-of-text."""
+    n = len(counts)
+    prompts = f"{n} prompt{'s' if n > 1 else ''}"
+    if all(c == max_new for c in counts):
+        return f"{prompts} x {max_new} tokens"
+    got = ", ".join(map(str, counts))
+    return f"{prompts}: {got} of {max_new} tokens (stopped at end-of-text)"
+
+
 def run(args: argparse.Namespace) -> list[str]:
     from ode_lm.generation import check_num_steps, generate
-    from ode_lm.models.solvers import is_adaptive
     from ode_lm.training.saved_run import load_model
 
     check_num_steps(args.num_steps)
+    cli.check_solver_flags(args.solver, args.rtol, args.atol)
+    if args.data_dir is not None:
+        cli.check_out_dir(args.data_dir, "--data_dir")
     model, run = load_model(args.model_dir, args.step)
     config, step = run.config, run.step
     tok = load_tokenizer(args.model_dir, args.data_dir)
@@ -67,21 +90,19 @@ def run(args: argparse.Namespace) -> list[str]:
     t0 = time.perf_counter()
     out = generate(model, prompts, **kw)
     first = time.perf_counter() - t0
-    texts = []
+    texts, counts = [], []
     for prompt, ids in zip(args.prompt, out, strict=True):
         ids = list(ids)
         if tok.eos_id in ids:
             ids = ids[: ids.index(tok.eos_id)]
+        counts.append(len(ids))
         texts.append(prompt + tok.decode(ids))
     for text in texts:
         print(text)
         print("-" * 40)
     n = out.size
-    steps = args.num_steps or config.num_steps
-    depth = f"{args.solver} rtol={args.rtol or config.rtol:g}" if is_adaptive(
-        args.solver) else f"M={steps}"
-    line = f"step {step} | {depth} | {len(prompts)} prompts x {args.max_new_tokens} tokens | " \
-           f"first call (compile + run) {first:.2f}s"
+    line = f"step {step} | {solve_text(args, config)} | {count_text(counts, args.max_new_tokens)}" \
+           f" | first call (compile + run) {first:.2f}s"
     if not args.no_timing:
         t0 = time.perf_counter()
         generate(model, prompts, **kw)
@@ -93,6 +114,7 @@ def run(args: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-sample") -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv, prog)
+    cli.setup_logging()  # warnings as plain lines, not ``WARNING:ode_lm.checkpoint:...``
 
     def body() -> int:
         run(args)

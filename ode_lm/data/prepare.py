@@ -297,6 +297,10 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
                 bar.update(len(docs))
         for f in cf.as_completed(pending):
             markers[pending[f]] = f.result()
+    except BaseException:
+        if bar is not None:  # no half bar left above the error line
+            bar.leave = False
+        raise
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)

@@ -9,13 +9,17 @@ the parallel-block modelling files in ``hf_templates`` shipped with the checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 
 import numpy as np
 
+from ode_lm.errors import UsageError
 from ode_lm.export import (
     hf_sequential,
     hf_weights,
@@ -42,11 +46,11 @@ def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | No
                   dtype: str) -> None:
     """Every bad flag combination, before any checkpoint is read where possible."""
     if fmt not in FORMATS:
-        raise ValueError(f"--format={fmt!r}: unknown format; expected one of {FORMATS}")
+        raise UsageError(f"--format={fmt!r}: unknown format; expected one of {FORMATS}")
     if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
-        raise ValueError(f"--num_steps={num_steps!r}: must be a positive number of solver steps")
+        raise UsageError(f"--num_steps={num_steps!r}: must be a positive number of solver steps")
     if dtype not in safetensors_io.DTYPES:
-        raise ValueError(f"--dtype={dtype!r}: expected one of {tuple(safetensors_io.DTYPES)}")
+        raise UsageError(f"--dtype={dtype!r}: expected one of {tuple(safetensors_io.DTYPES)}")
     if fmt == "hf-neox" and flavour != "neox":
         raise ValueError(
             f"--format=hf-neox: a {flavour} model can't be mapped to GPTNeoXForCausalLM "
@@ -119,9 +123,13 @@ def export(
     data_dir: str | None = None,
     max_shard_bytes: int = safetensors_io.DEFAULT_MAX_SHARD_BYTES,
     weights_only: bool = False,
+    overwrite: bool = False,
 ) -> ExportResult:
     """``weights_only``: export without the run's tokenizer (no tokenizer files, no special
-    token ids); otherwise a missing data dir is refused before anything is written."""
+    token ids); otherwise a missing data dir is refused before anything is written.
+    The export is written into a temporary directory beside ``out_dir`` and renamed into
+    place when complete, so a failed export leaves nothing; ``overwrite`` replaces a
+    non-empty ``out_dir`` the same way (refused without it)."""
     from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_model
 
@@ -132,8 +140,11 @@ def export(
     check_request(fmt, config.flavour, config.architecture, num_steps, dtype)
     if fmt != "raw" and config.architecture == "sequential":
         hf_sequential.check_sequential(config)
-    if out_dir and os.path.exists(out_dir) and os.listdir(out_dir):
-        raise FileExistsError(f"--out={out_dir}: directory exists and is not empty")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"--out={out_dir}: is a file, not a directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+        raise FileExistsError(f"--out={out_dir}: directory exists and is not empty "
+                              "(--overwrite replaces it)")
     if verify_logits and fmt != "raw":
         verify.require_hf()  # before the export is written, not after
     data_dir = None if weights_only else data_dir or run.data_dir()
@@ -141,20 +152,52 @@ def export(
         tokenizer_files.check_tokenizer_source(data_dir)
     model, loaded = load_model(model_dir, step)
     config, step = loaded.config, loaded.step
-    os.makedirs(out_dir, exist_ok=True)
-    if fmt == "raw":
-        from ode_lm.export.raw import save_raw
+    with staged_dir(out_dir) as staging:
+        if fmt == "raw":
+            from ode_lm.export.raw import save_raw
 
-        files = save_raw(model, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
-        files.append("config.json")
-        files += tokenizer_files.copy_tokenizer(data_dir, out_dir)
-    else:
-        files = write_hf(model, out_dir, fmt, num_steps=num_steps, dtype=dtype,
-                         data_dir=data_dir, max_shard_bytes=max_shard_bytes)
+            files = save_raw(model, config, staging, dtype=dtype,
+                             max_shard_bytes=max_shard_bytes)
+            files.append("config.json")
+            files += tokenizer_files.copy_tokenizer(data_dir, staging)
+        else:
+            files = write_hf(model, staging, fmt, num_steps=num_steps, dtype=dtype,
+                             data_dir=data_dir, max_shard_bytes=max_shard_bytes)
     result = ExportResult(out_dir, fmt, files, step, num_steps)
     if verify_logits:
         result.max_abs_diff = check_logits(model, out_dir, fmt, num_steps, dtype)
     return result
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+    """A temporary directory beside ``out_dir`` to write into; on success it replaces
+    ``out_dir`` (an existing one is moved aside first and removed after), on an error it is
+    removed and ``out_dir`` is left as it was."""
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    name = os.path.basename(out_dir)
+    staging = tempfile.mkdtemp(prefix=f".{name}.writing-", dir=parent)
+    try:
+        yield staging
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700: as a makedirs would be
+        old = None
+        if os.path.isdir(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{name}.replaced-", dir=parent)
+            os.rename(out_dir, os.path.join(old, name))
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_logits(model, out_dir: str, fmt: str, num_steps: int | None, dtype: str) -> float:

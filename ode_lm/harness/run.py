@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from ode_lm.errors import UsageError
 from ode_lm.training.evaluation import EvalContext, EvalHook
 from ode_lm.training.metric_names import lm_eval_name
 
@@ -31,7 +32,7 @@ def parse_tasks(text: str | Sequence[str], flag: str = "--lm_eval_tasks") -> tup
     items = text.split(",") if isinstance(text, str) else list(text)
     tasks = tuple(t.strip() for t in items)
     if not tasks or any(not t for t in tasks):
-        raise ValueError(f"{flag}={text!r}: expected comma-separated lm-eval task names")
+        raise UsageError(f"{flag}={text!r}: expected comma-separated lm-eval task names")
     return tasks
 
 

@@ -12,14 +12,18 @@ with a warning naming it and the previous one is restored (``restore_latest``,
 (``<step>.damaged``) when it is about to save that step again. A failed save (disk full, any
 write error, also one that surfaces later from an async save) raises
 :class:`CheckpointSaveError`: one line naming the step and its path; the previous
-checkpoint stays the latest.
+checkpoint stays the latest. A checkpoint directory that cannot be written (read-only,
+immutable, a file in its place) is found on the loop before orbax is called, so the run
+stops at once instead of orbax waiting minutes for its own directory-creation signal.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
+import tempfile
 from typing import Any
 
 import grain
@@ -145,6 +149,7 @@ class Checkpointer:
         self._set_aside_damaged()
         if step in self.manager.all_steps():
             return False
+        self._check_writable(step)
         if self._worker is None:
             self._save_now(step, state, data_iterator)
             return True
@@ -174,6 +179,25 @@ class Checkpointer:
         if self._worker is not None:
             self._snapshots.written(state)
 
+    def _check_writable(self, step: int) -> None:
+        """Make and remove a probe directory in the checkpoint directory: orbax creates a
+        step's directory in its background thread and, when that fails, waits ~5 minutes
+        for the signal that it was made before it says anything."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".ode_lm-write-probe-", dir=str(self.directory)))
+        except OSError as e:
+            reason = e.strerror or _reason(e)
+            raise self._save_error(step, e, f"cannot write to {self.directory}: {reason}") from e
+
+    def is_written(self, step: int) -> bool:
+        """Whether ``step`` is complete on disk (never blocks): orbax lists a step only
+        once its temporary directory is renamed into place, after the last byte."""
+        try:
+            return step in complete_steps(self.directory)
+        except OSError:
+            return False
+
     def should_save(self, step: int) -> bool:
         """Whether ``save(step)`` writes: orbax's decision (``manager.should_save``: on the
         interval, or a pod's preemption sync point, and after the latest saved step)."""
@@ -197,14 +221,18 @@ class Checkpointer:
         except Exception as e:
             raise self._save_error(self._pending, e) from e
 
-    def _save_error(self, step: int, e: BaseException) -> CheckpointSaveError:
+    def _save_error(self, step: int, e: BaseException,
+                    why: str | None = None) -> CheckpointSaveError:
         self._failed, self._pending = True, None
-        done = [s for s in complete_steps(self.directory) if s != step]
+        try:
+            done = [s for s in complete_steps(self.directory) if s != step]
+        except OSError:  # the directory itself is what failed (a file in its place)
+            done = []
         kept = (f"the latest complete checkpoint is still step {done[-1]}" if done
                 else "no checkpoint was saved")
         return CheckpointSaveError(
             f"saving checkpoint step {step} to {self.directory / str(step)} failed: "
-            f"{_reason(e)}; {kept}"
+            f"{why or _reason(e)}; {kept}"
         )
 
     def _set_aside_damaged(self) -> None:
@@ -331,7 +359,7 @@ class Checkpointer:
 
 
 def complete_steps(directory: epath.Path) -> list[int]:
-    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.exists() else []
+    return sorted(ocp.utils.checkpoint_steps(directory)) if directory.is_dir() else []
 
 
 def report_damaged(directory: epath.Path, step: int, e: BaseException, rest: list[int]) -> None:

@@ -146,25 +146,39 @@ class Save:
     and, forced, at the run's last step or a stop, which also waits for the write. The held
     metrics are read first, so a crash after a checkpoint leaves no gap in them; this
     start's first checkpoint also writes the run files (what the checkpoints were trained
-    with)."""
+    with), once that checkpoint is complete on disk: a save that fails leaves no config
+    behind that no checkpoint was trained with."""
 
     def __init__(self, checkpointer: Any, metrics: StepReader,
                  write_run_files: Callable[[], None], *, saved: int | None):
         self.checkpointer, self.metrics = checkpointer, metrics
         self._write_run_files: Callable[[], None] | None = write_run_files
-        self.saved = saved  # the latest checkpoint's step (None: none yet)
+        self._files_for: int | None = None  # the save the run files wait for
+        self.saved = saved  # the latest checkpoint's step handed to the save (None: none yet)
 
     def __call__(self, info: StepInfo) -> None:
         ckpt = self.checkpointer
         if info.last or ckpt.should_save(info.step):
             self.metrics.drain(dispatched=info.step)
-        if ckpt.save(info.step, info.state, info.data, force=info.last):
-            self.saved = info.step
-            if self._write_run_files is not None:
-                self._write_run_files()
-                self._write_run_files = None
-        if info.last:
-            ckpt.wait()
+        try:
+            if ckpt.save(info.step, info.state, info.data, force=info.last):
+                self.saved = info.step
+                if self._write_run_files is not None and self._files_for is None:
+                    self._files_for = info.step
+            if info.last:
+                ckpt.wait()
+        except Exception:  # a later save failed: an earlier complete one keeps its record
+            self._record_written()
+            raise
+        self._record_written(done=info.last)
+
+    def _record_written(self, done: bool = False) -> None:
+        """The run files, once the checkpoint they wait for is complete (``done``: every
+        save handed over has been waited for)."""
+        if self._files_for is not None and (done or self.checkpointer.is_written(
+                self._files_for)):
+            self._write_run_files()
+            self._write_run_files = self._files_for = None
 
 
 class Evaluate:

@@ -194,9 +194,18 @@ class Trainer:
         """The loop, holding MODEL_DIR's run lock (process 0) from before its first write."""
         with run_lock.hold(self.cfg.model_dir, primary=jax.process_index() == 0):
             try:
-                return self._run()
-            finally:
-                self.checkpointer.close()
+                try:
+                    return self._run()
+                finally:
+                    self.checkpointer.close()
+            except StopNow as e:  # said once the saves handed over have ended, so truly
+                raise StopNow(f"{e}; {self._latest_saved()}") from None
+
+    def _latest_saved(self) -> str:
+        """The latest complete checkpoint, as read from disk after a second Ctrl-C."""
+        steps = self.run_dir.checkpoint_steps()
+        return (f"the latest complete checkpoint is step {steps[-1]}" if steps
+                else "no checkpoint was saved")
 
     def _run(self) -> TrainResult:
         cfg = self.cfg
@@ -225,14 +234,14 @@ class Trainer:
                                     data_iterator)
                     hooks.run(info)
         except StopNow:
-            saved = self._saver.saved
-            kept = (f"the latest checkpoint is step {saved}" if saved is not None
-                    else "nothing was saved")
-            raise StopNow(f"stopped by a second Ctrl-C at step {info.step}: not saved; {kept}"
-                          ) from None
+            raise StopNow(f"stopped by a second Ctrl-C at step {info.step}") from None
         finally:
             writer.flush()
             writer.close()
+        if info.stopped_by is None and self._watcher.reason is not None:
+            # a stop asked for after the last step's watcher ran (during the final save or
+            # eval): the run still stops as asked, not as a finished run
+            info.stopped_by = self._watcher.reason
         self.state = state
         result = TrainResult(cfg.model_dir, info.step, self._metrics.first_loss,
                              self._metrics.last_loss, self._eval.results,
@@ -265,7 +274,8 @@ class Trainer:
         hooks = Hooks()
         hooks.add(self._metrics.read, every=1)
         hooks.add(self._metrics.log, every=cfg.log_every)
-        hooks.add(PreemptionWatcher(), every=1)
+        self._watcher = PreemptionWatcher()
+        hooks.add(self._watcher, every=1)
         hooks.add(self._saver, every=1)
         hooks.add(self._eval, every=cfg.eval_every or cfg.num_train_steps)
         for hook, every in self._added:

@@ -105,24 +105,25 @@ def test_cli_on_a_baseline_checkpoint(runs, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "argv, match",
+    "argv, match, status",  # 2: a flag's value is bad in itself; 1: it does not fit the run
     [
-        (["lyapunov", "--model_dir={ode}", "--tokens=1,2,300"], "[0, 260)"),
-        (["lyapunov", "--model_dir={ode}", "--tokens=1,x"], "--tokens='1,x'"),
-        (["lyapunov", "--model_dir={ode}"], "no data_config.json naming the data"),
-        (["lyapunov", "--model_dir={ode}", "--tokens=1,2", "--text=hi"], "exactly one of"),
+        (["lyapunov", "--model_dir={ode}", "--tokens=1,2,300"], "[0, 260)", 1),
+        (["lyapunov", "--model_dir={ode}", "--tokens=1,x"], "--tokens='1,x'", 2),
+        (["lyapunov", "--model_dir={ode}"], "no data_config.json naming the data", 1),
+        (["lyapunov", "--model_dir={ode}", "--tokens=1,2", "--text=hi"], "exactly one of", 2),
         (["lyapunov", "--model_dir={ode}", "--text_file=/nonexistent.txt", "--tokenizer=bytes"],
-         "--text_file=/nonexistent.txt"),
-        (["trajectory", "--model_dir={seq}", "--tokens=1,2", "--num_steps=5"], "exactly 2 layers"),
-        (["spectral", "--model_dir={ode}", "--times=0.5,2"], "--times"),
-        (["spectral", "--model_dir={ode}", "--mlp_units=0"], "--mlp_units=0"),
-        (["spectral", "--model_dir=/nonexistent/run"], "--model_dir=/nonexistent/run"),
+         "--text_file=/nonexistent.txt", 1),
+        (["trajectory", "--model_dir={seq}", "--tokens=1,2", "--num_steps=5"], "exactly 2 layers",
+         1),
+        (["spectral", "--model_dir={ode}", "--times=0.5,2"], "--times", 2),
+        (["spectral", "--model_dir={ode}", "--mlp_units=0"], "--mlp_units=0", 2),
+        (["spectral", "--model_dir=/nonexistent/run"], "--model_dir=/nonexistent/run", 1),
     ],
 )
-def test_cli_bad_input_prints_one_line_error(runs, tmp_path, capsys, argv, match):
+def test_cli_bad_input_prints_one_line_error(runs, tmp_path, capsys, argv, match, status):
     main = _analyze()
     argv = [a.format(ode=runs / "ode", seq=runs / "seq") for a in argv] + [f"--out={tmp_path}"]
-    assert main(argv) == 1
+    assert main(argv) == status
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err, err
 

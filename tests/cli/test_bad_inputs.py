@@ -3,8 +3,9 @@ class refuses a setting) or 1 (the run failed), one line `ode-lm <command>: erro
 stderr naming the flag, file or value, no traceback, and an existing MODEL_DIR and DATA_DIR
 byte-for-byte unchanged.
 
-Each case is a real subprocess (what a user sees, C++ and absl output included) against one
-small trained run and its prepared data dir, both hashed before and after every case.
+Each case is a real subprocess of the installed ``ode-lm`` console script (what a user runs,
+C++ and absl output included) against one small trained run and its prepared data dir, both
+hashed before and after every case.
 """
 
 from __future__ import annotations
@@ -32,14 +33,21 @@ def _run(workdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def _ode_lm(workdir: Path, argv: list[str], script: str | None = None
-            ) -> subprocess.CompletedProcess:
-    """``python -m ode_lm <argv>``, or the installed ``ode-lm`` script (importing this
-    checkout's package through PYTHONPATH)."""
+def _script() -> str:
+    script = shutil.which("ode-lm")
+    if script is None:
+        pytest.skip("the ode-lm console script is not on PATH (pip install -e .): the cases "
+                    "check what a user who runs it sees")
+    return script
+
+
+def _ode_lm(workdir: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """The installed ``ode-lm`` script, importing this checkout's package through
+    PYTHONPATH."""
     env = _env(workdir)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    cmd = [script, *argv] if script else [sys.executable, "-m", "ode_lm", *argv]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([_script(), *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +115,7 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     # eval
     "eval: no such run": (["eval", "--model_dir={WORK}/nope"], "nope", FAILED),
     "eval: missing --model_dir": (["eval"], "--model_dir", USAGE),
-    "eval: zero steps": ([*EVAL, "--num_steps=0"], "--num_steps=0", FAILED),
+    "eval: zero steps": ([*EVAL, "--num_steps=0"], "--num_steps=0", USAGE),
     "eval: steps not a number": ([*EVAL, "--num_steps=four"],
                                  "argument --num_steps: invalid int value: 'four'", USAGE),
     "eval: a step list entry not a number": (
@@ -115,22 +123,39 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "eval: abbreviated flag": ([*EVAL, "--num_step=8"], "--num_step=8", USAGE),
     "eval: rtol not a number": ([*EVAL, "--rtol=tiny"], "argument --rtol: invalid float value",
                                 USAGE),
-    "eval: unknown solver": ([*EVAL, "--solver=rk5"], "rk5", FAILED),
-    "eval: negative rtol": ([*EVAL, "--solver=adaptive", "--rtol=-1"], "rtol", FAILED),
+    "eval: unknown solver": ([*EVAL, "--solver=rk5"], "--solver='rk5'", USAGE),
+    "eval: negative rtol": ([*EVAL, "--solver=adaptive", "--rtol=-1"], "rtol", USAGE),
     "eval: no such step": ([*EVAL, "--step=999"], "999", FAILED),
     "eval: unknown split": ([*EVAL, "--split=bogus"], "bogus", FAILED),
     "eval: empty lm-eval task": ([*EVAL, "--lm_eval_tasks=a,,b"], "--lm_eval_tasks='a,,b'",
-                                 FAILED),
+                                 USAGE),
     "eval: no such lm-eval include path": (
         [*EVAL, "--lm_eval_tasks=x", "--lm_eval_include_path={WORK}/nope"],
         "--lm_eval_include_path=", FAILED),
+    "eval: unknown solver in --solves": ([*EVAL, "--solves=euler:2 rk5:4"],
+                                         "--solves='euler:2 rk5:4': 'rk5:4': unknown solver",
+                                         USAGE),
+    "eval: a --solves step count not a number": (
+        [*EVAL, "--solves=euler:2,x"], "'x' is not a whole number of steps", USAGE),
+    "eval: a zero --solves tolerance": ([*EVAL, "--solves=adaptive:0"], "0 must be > 0",
+                                        USAGE),
+    "eval: an empty --solves": ([*EVAL, "--solves= "], "--solves=' ': expected e.g.", USAGE),
+    "eval: --solves with --num_steps": ([*EVAL, "--solves=euler:2", "--num_steps=4"],
+                                        "--solves and --num_steps: give one of them", USAGE),
+    "eval: negative atol": ([*EVAL, "--solver=adaptive", "--atol=-1"], "--atol=-1.0", USAGE),
     # sample
-    "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0", FAILED),
-    "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature", FAILED),
-    "sample: no new tokens": ([*SAMPLE, "--max_new_tokens=0"], "max_new_tokens", FAILED),
-    "sample: unknown solver": ([*SAMPLE, "--solver=bogus"], "bogus", FAILED),
-    "sample: top_p above 1": ([*SAMPLE, "--top_p=2"], "top_p", FAILED),
+    "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0", USAGE),
+    "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature", USAGE),
+    "sample: no new tokens": ([*SAMPLE, "--max_new_tokens=0"], "max_new_tokens", USAGE),
+    "sample: unknown solver": ([*SAMPLE, "--solver=bogus"], "--solver='bogus'", USAGE),
+    "sample: top_p above 1": ([*SAMPLE, "--top_p=2"], "top_p", USAGE),
     "sample: abbreviated flag": ([*SAMPLE, "--temp=0"], "--temp=0", USAGE),
+    "sample: zero rtol": ([*SAMPLE, "--solver=adaptive", "--rtol=0"], "--rtol=0.0: must be > 0",
+                          USAGE),
+    "sample: data dir is a file": ([*SAMPLE, "--data_dir={WORK}/prompt.txt"],
+                                   "--data_dir={WORK}/prompt.txt: is a file", FAILED),
+    "sample: more tokens than the learned positions": (
+        [*SAMPLE, "--max_new_tokens=500"], "--max_new_tokens=500: the prompt", USAGE),
     # finetune
     "finetune: no pretrained run": ([*FINETUNE, "--gin.PRETRAINED_DIR={WORK}/nope"], "nope",
                                     FAILED),
@@ -182,22 +207,41 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "prepare: abbreviated flag": ([*PREPARE, "--holdout=0.1", "--data_dir={WORK}/data_new"],
                                   "--holdout=0.1", USAGE),
     # export
-    "export: unknown format": ([*EXPORT, "--format=onnx"], "onnx", FAILED),
+    "export: unknown format": ([*EXPORT, "--format=onnx"], "--format='onnx'", USAGE),
     "export: missing --format": (EXPORT, "--format", USAGE),
     "export: out is not empty": (["export", "--model_dir={MODEL}", "--format=raw",
                                   "--out={DATA}"], "not empty", FAILED),
-    "export: zero steps": ([*EXPORT, "--format=hf", "--num_steps=0"], "--num_steps=0", FAILED),
-    "export: unknown dtype": ([*EXPORT, "--format=raw", "--dtype=fp16"], "fp16", FAILED),
+    "export: zero steps": ([*EXPORT, "--format=hf", "--num_steps=0"], "--num_steps=0", USAGE),
+    "export: unknown dtype": ([*EXPORT, "--format=raw", "--dtype=fp16"], "fp16", USAGE),
     "export: data dir is not a run": (["export", "--model_dir={DATA}", "--format=raw",
                                        "--out={WORK}/export_new"], "data", FAILED),
+    "export: out is a file": ([*EXPORT, "--format=raw", "--out={WORK}/prompt.txt"],
+                              "--out={WORK}/prompt.txt: is a file, not a directory", FAILED),
+    "export: --overwrite onto a file": (
+        [*EXPORT, "--format=raw", "--out={WORK}/prompt.txt", "--overwrite"],
+        "--out={WORK}/prompt.txt: is a file", FAILED),
+    "export: --overwrite keeps the old dir when the run is missing": (
+        ["export", "--model_dir={WORK}/nope", "--format=raw", "--out={DATA}", "--overwrite"],
+        "nope", FAILED),
+    "export: not empty says --overwrite": (
+        ["export", "--model_dir={MODEL}", "--format=raw", "--out={DATA}"],
+        "(--overwrite replaces it)", FAILED),
     # analyze
     "analyze: no such run": (["analyze", "trajectory", "--model_dir={WORK}/nope",
                               "--out={WORK}/analysis_new", "--text=x"], "nope", FAILED),
-    "analyze: t outside [0, 1]": ([*ANALYZE, "spectral", "--times=2.0"], "2.0", FAILED),
+    "analyze: t outside [0, 1]": ([*ANALYZE, "spectral", "--times=2.0"], "2.0", USAGE),
     "analyze: a time not a number": ([*ANALYZE, "spectral", "--times=0,half"],
                                      "argument --times: invalid float value: 'half'", USAGE),
-    "analyze: zero steps": ([*ANALYZE, "lyapunov", "--num_steps=0"], "--num_steps=0", FAILED),
+    "analyze: zero steps": ([*ANALYZE, "lyapunov", "--num_steps=0"], "--num_steps=0", USAGE),
     "analyze: unknown analysis": ([*ANALYZE, "bogus"], "bogus", USAGE),
+    "analyze: out is a file": ([*ANALYZE, "trajectory", "--out={WORK}/prompt.txt"],
+                               "--out={WORK}/prompt.txt: is a file, not a directory", FAILED),
+    "analyze: data dir is a file": ([*ANALYZE, "trajectory", "--data_dir={WORK}/prompt.txt"],
+                                    "--data_dir={WORK}/prompt.txt: is a file", FAILED),
+    "analyze: zero time points": ([*ANALYZE, "spectral", "--num_times=0"], "--num_times=0",
+                                  USAGE),
+    "analyze: unknown solver": ([*ANALYZE, "trajectory", "--solver=rk5"],
+                                "argument --solver: invalid choice: 'rk5'", USAGE),
     # depth-report
     "depth-report: no such run": (["depth-report", "--model_dir={WORK}/nope",
                                    "--out={WORK}/analysis_new"], "nope", FAILED),
@@ -240,11 +284,19 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "finetune-table: abbreviated flag": (["finetune-table", "--depth=3",
                                           "--work_dir={WORK}/ft_new"], "--depth=3", USAGE),
     # aot
-    "aot: unknown topology": ([*AOT, "--topology=v9x-8"], "v9x", FAILED),
+    "aot: unknown topology": ([*AOT, "--topology=v9x-8"], "v9x", USAGE),
     "aot: missing gin file": (["aot", "--gin_file={WORK}/nope.gin", "--topology=v5e:2x2"],
                               "nope.gin", FAILED),
     "aot: unknown remat": ([*AOT, "--topology=v5e:2x2", "--remat=bogus"], "bogus", USAGE),
     "aot: abbreviated flag": ([*AOT, "--topology=v5e:2x2", "--step=1"], "--step=1", USAGE),
+    "aot: zero step time": ([*AOT, "--topology=v5e:2x2", "--step_time=0"], "--step_time=0",
+                            USAGE),
+    "aot: raw topology of the wrong rank": ([*AOT, "--topology=v5p:2x2"],
+                                            "v5p needs 3 dimensions", USAGE),
+    "aot: zero slices": ([*AOT, "--topology=v5e:2x2", "--num_slices=0"], "--num_slices=0",
+                         USAGE),
+    "aot: no standard slice of that size": ([*AOT, "--topology=v5p-6"], "no standard v5p",
+                                            USAGE),
     # bench, sweep, scaling-report
     "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),
     "bench: steps not a number": (["bench", "--steps=few"], "argument --steps: invalid int",
@@ -254,19 +306,18 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "scaling-report: no runs": (["scaling-report", "{WORK}/nope", "--out={WORK}/analysis_new"],
                                 "nope", FAILED),
 }
-# the installed console script: the same checks, for a few of the cases above
-SCRIPT_CASES = ("ode-lm: unknown command", "eval: steps not a number", "eval: no such run")
 NEW_DIRS = ("ft_new", "data_new", "export_new", "analysis_new")
 
 
-def _check(case: str, run_dirs: dict[str, Path], script: str | None = None) -> None:
+def _check(case: str, run_dirs: dict[str, Path]) -> None:
     argv, expected, status = CASES[case]
     argv = [a.format(**run_dirs) for a in argv]
     expected = expected.format(**run_dirs)
     prefix = f"ode-lm {argv[0]}: error: " if not argv[0].startswith("bogus") else "ode-lm: error: "
     before = {k: tree_hash(run_dirs[k]) for k in ("MODEL", "DATA")}
-    proc = _ode_lm(run_dirs["WORK"], argv, script)
+    proc = _ode_lm(run_dirs["WORK"], argv)
     left = [name for name in NEW_DIRS if (run_dirs["WORK"] / name).exists()]
+    left += [p.name for p in run_dirs["WORK"].iterdir() if ".writing-" in p.name]  # staging
     for name in left:  # so that one failing case does not fail the next ones
         shutil.rmtree(run_dirs["WORK"] / name)
     err = proc.stderr.strip()
@@ -282,11 +333,3 @@ def _check(case: str, run_dirs: dict[str, Path], script: str | None = None) -> N
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_one_line_no_traceback_dirs_unchanged(case, run_dirs):
     _check(case, run_dirs)
-
-
-@pytest.mark.parametrize("case", SCRIPT_CASES)
-def test_the_console_script_reports_alike(case, run_dirs):
-    script = shutil.which("ode-lm")
-    if script is None:
-        pytest.skip("the ode-lm console script is not on PATH (pip install -e .)")
-    _check(case, run_dirs, script)

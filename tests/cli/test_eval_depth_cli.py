@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+from pathlib import Path
 
 import jax
 import model_helpers
@@ -177,7 +178,7 @@ def test_eval_cli_adaptive_prints_perplexity_and_nfe(tiny_run, capsys):
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert results["eval/perplexity@adaptive:rtol=0.001"] > 1.0
     assert results["eval/nfe@adaptive:rtol=0.001"] >= 4
-    assert main([f"--model_dir={tiny_run}", "--solver=adaptive", "--rtol=-1"]) == 1
+    assert main([f"--model_dir={tiny_run}", "--solver=adaptive", "--rtol=-1"]) == 2  # a flag
     assert "--rtol=-1" in capsys.readouterr().err
 
 
@@ -241,3 +242,35 @@ def test_every_eval_logs_the_depth_gap_equal_to_ode_lm_eval(tiny_trained):
     worst = max(gaps, key=lambda s: abs(gaps[s]))
     assert eval_rows[-1].endswith(f"| depth gap {gaps[worst]:+.1%} at {worst} (max of 3)")
     assert not any("eval/depth_gap" in line for line in eval_rows)  # compact: one figure
+
+
+def test_eval_solves_gaps_and_log_reach_depth_gap(tiny_run, tmp_path, capsys):
+    """``--solves`` evaluates several settings in one call, each with its gap to the run's
+    own N (evaluated though not asked for); ``--log`` appends the row the trainer would
+    write, which ``ode-lm depth-gap table`` reads beside the in-loop evals of that step."""
+    import shutil
+
+    from ode_lm.commands import depth_gap
+    from ode_lm.commands.eval import main
+
+    run = str(tmp_path / "run")
+    shutil.copytree(tiny_run, run)
+    before = (Path(run) / "metrics.jsonl").read_text().splitlines()
+    assert main([f"--model_dir={run}", "--solves=euler:2,4 rk4:2", "--log"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    results = json.loads(out[-1])
+    assert results["step"] == 3.0 and "eval/perplexity" in results  # the own N, not asked for
+    gaps = {k for k in results if k.startswith("eval/depth_gap/")}
+    assert gaps == {"eval/depth_gap/steps=2", "eval/depth_gap/steps=4",
+                    "eval/depth_gap/rk4:steps=2"}
+    own = results["eval/perplexity"]
+    assert results["eval/depth_gap/steps=4"] == pytest.approx(
+        results["eval/perplexity@steps=4"] / own - 1)
+    assert any(line.startswith("steps=4: perplexity ") and "gap " in line for line in out)
+    after = (Path(run) / "metrics.jsonl").read_text().splitlines()
+    assert after[:len(before)] == before and len(after) == len(before) + 1
+    row = json.loads(after[-1])
+    assert row == {"step": 3, **{k: v for k, v in results.items() if k != "step"}}
+    table = depth_gap.table([("r", run, 3)])
+    cells = table.splitlines()[-1].split(" | ")
+    assert cells[4].startswith("**") and cells[5] != "–"  # own N=3; N=4 from the logged row

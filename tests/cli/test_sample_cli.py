@@ -32,5 +32,5 @@ def test_sample_cli_prints_text_and_speed(tmp_path, capsys):
                       "--temperature=0", "--solver=adaptive", "--rtol=1e-2", "--no_timing"])
     out = capsys.readouterr().out
     assert rc == 0 and "adaptive rtol=0.01" in out and out.startswith("The ODE")
-    assert sample.main([f"--model_dir={run}", "--prompt=a", "--num_steps=0"]) == 1
+    assert sample.main([f"--model_dir={run}", "--prompt=a", "--num_steps=0"]) == 2  # a flag
     assert "--num_steps=0" in capsys.readouterr().err

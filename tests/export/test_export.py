@@ -123,20 +123,21 @@ def test_the_export_entries_share_one_cli(tmp_path, script):
                                      "no such directory"), failed.stderr
 
 
-@pytest.mark.parametrize("flavour,extra,message", [
-    ("neox", ["--format=hf", "--num_steps=0"], "--num_steps=0: must be a positive"),
-    ("neox", ["--format=hf", "--num_steps=-3"], "--num_steps=-3: must be a positive"),
-    ("neox", ["--format=onnx"], "--format='onnx': unknown format"),
-    ("gpt2", ["--format=hf-neox"], "a gpt2 model can't be mapped to GPTNeoXForCausalLM"),
-    ("llama", ["--format=hf", "--dtype=fp16"], "--dtype='fp16'"),
-    ("neox", ["--format=raw", "--num_steps=4"], "raw export keeps the continuous model"),
+# exit 2: a flag's value is bad in itself; 1: it does not fit the run
+@pytest.mark.parametrize("flavour,extra,message,status", [
+    ("neox", ["--format=hf", "--num_steps=0"], "--num_steps=0: must be a positive", 2),
+    ("neox", ["--format=hf", "--num_steps=-3"], "--num_steps=-3: must be a positive", 2),
+    ("neox", ["--format=onnx"], "--format='onnx': unknown format", 2),
+    ("gpt2", ["--format=hf-neox"], "a gpt2 model can't be mapped to GPTNeoXForCausalLM", 1),
+    ("llama", ["--format=hf", "--dtype=fp16"], "--dtype='fp16'", 2),
+    ("neox", ["--format=raw", "--num_steps=4"], "raw export keeps the continuous model", 1),
 ])
-def test_cli_bad_input_one_line(tmp_path, capsys, flavour, extra, message):
+def test_cli_bad_input_one_line(tmp_path, capsys, flavour, extra, message, status):
     run = str(tmp_path / "run")
     make_run(run, tiny_config(flavour))
     rc = _cli([f"--model_dir={run}", f"--out={tmp_path / 'x'}", *extra])
     err = capsys.readouterr().err.strip()
-    assert rc == 1 and message in err and "\n" not in err
+    assert rc == status and message in err and "\n" not in err
     assert not os.path.exists(tmp_path / "x")  # refused before writing anything
 
 
@@ -206,3 +207,22 @@ def test_tokenizer_files_copied_from_prepared_data(tmp_path):
         text = "the solver takes step 7"
         assert hf(text)["input_ids"] == [int(i) for i in ours.encode(text)]
         assert hf.eos_token_id == ours.eos_id
+
+
+def test_overwrite_replaces_an_export_and_refuses_without_it(tmp_path, capsys):
+    """A rerun of an export needs --overwrite; with it the new export is swapped in whole,
+    nothing of the old one left and no staging directory beside it."""
+    run = str(tmp_path / "run")
+    make_run(run, tiny_config("llama"))
+    out = tmp_path / "raw"
+    argv = [f"--model_dir={run}", "--format=raw", f"--out={out}", "--weights_only"]
+    assert _cli(argv) == 0
+    (out / "stale.txt").write_text("from an older export")
+    capsys.readouterr()
+    assert _cli(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("directory exists and is not empty (--overwrite replaces it)"), err
+    assert (out / "stale.txt").exists()
+    assert _cli([*argv, "--overwrite"]) == 0
+    assert not (out / "stale.txt").exists() and (out / "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "run"]

@@ -61,7 +61,7 @@ def test_hooks_that_are_context_managers_are_entered_around_the_loop():
 
 class _Checkpointer:
     def __init__(self, interval: int):
-        self.interval, self.saved, self.waited = interval, [], 0
+        self.interval, self.saved, self.waited, self.polled = interval, [], 0, []
 
     def should_save(self, step):
         return step % self.interval == 0
@@ -74,6 +74,10 @@ class _Checkpointer:
 
     def wait(self):
         self.waited += 1
+
+    def is_written(self, step):  # written by the step after the one that handed it over
+        self.polled.append(step)
+        return self.polled.count(step) > 1
 
 
 class _Reader:
@@ -96,6 +100,15 @@ def test_save_reads_the_metrics_first_writes_the_run_files_once_and_waits_at_the
     assert ckpt.saved == [2, 4, 5] and save.saved == 5  # the interval, then the last step
     assert reader.drained == [2, 4, 5]  # before each save: no gap in the metrics
     assert files == ["run files"] and ckpt.waited == 1  # with the first; the last waits
+
+
+def test_the_run_files_wait_until_their_checkpoint_is_written():
+    ckpt, reader, files = _Checkpointer(2), _Reader(), []
+    save = Save(ckpt, reader, lambda: files.append("run files"), saved=None)
+    save(_info(2, total=9))  # handed over, not yet written: no config for it yet
+    assert files == []
+    save(_info(3, total=9))  # written now
+    assert files == ["run files"]
 
 
 def test_a_stop_saves_at_once_and_skips_the_eval():

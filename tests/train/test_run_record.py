@@ -7,6 +7,7 @@ The CLI cases are real subprocesses of the micro model (``data_helpers.micro_cli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -180,6 +181,104 @@ def test_second_ctrl_c_stops_at_once_in_one_line(work, finished):
     assert proc.returncode == 130, err[-3000:]
     lines = _lines(err)
     assert len(lines) == 1 and "Ctrl-C" in lines[0] and "Traceback" not in err, err
+    assert not (model / "run.lock").exists()
+
+
+# Ctrl-C pressed at a given point of the loop: the train CLI run with a hook method wrapped
+# to send SIGINT to its own process there (a press timed to the millisecond)
+_PRESS = """
+import os, signal, sys, time
+from ode_lm.training import hooks
+
+def press():
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)  # the handler runs here, in the main thread
+
+{patch}
+from ode_lm.commands import train
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+_DURING_FINAL_EVAL = """
+evaluate = hooks.Evaluate.__call__
+def wrapped(self, info):
+    if info.step >= info.total_steps:
+        press()
+    return evaluate(self, info)
+hooks.Evaluate.__call__ = wrapped
+"""
+
+_TWICE_AROUND_THE_SAVE = """
+save = hooks.Save.__call__
+def wrapped(self, info):
+    save(self, info)
+    if info.step == 2 or info.stopped_by:  # the first press; the second once step 3 is saved
+        press()
+hooks.Save.__call__ = wrapped
+"""
+
+
+def _press(work: Path, name: str, steps: int, patch: str) -> tuple[subprocess.CompletedProcess,
+                                                                  Path]:
+    model = work / name
+    gin = _gin(work, name, model, steps, "CheckpointConfig.save_every = 100_000\n")
+    return _cmd(work, ["-c", _PRESS.format(patch=patch), f"--gin_file={gin}"]), model
+
+
+@slow
+def test_ctrl_c_during_the_final_eval_stops_as_during_training(work, finished):
+    r, model = _press(work, "ctrl_c_final_eval", 3, _DURING_FINAL_EVAL)
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert _lines(r.stderr) == [], r.stderr[-3000:]
+    assert _lines(r.stdout)[-1] == "stopped by Ctrl-C after step 3; checkpoint saved", r.stdout
+    assert _ckpt_steps(model) == [3]
+
+
+@slow
+def test_a_second_ctrl_c_names_the_latest_complete_checkpoint(work, finished):
+    r, model = _press(work, "ctrl_c_after_save", 100, _TWICE_AROUND_THE_SAVE)
+    assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
+    assert _ckpt_steps(model) == [3]  # the first press stopped after step 3, which saved
+    assert _lines(r.stderr) == ["ode-lm-train: stopped by a second Ctrl-C at step 3; the "
+                                "latest complete checkpoint is step 3"], r.stderr[-3000:]
+    assert not (model / "run.lock").exists()
+
+
+# ------------------------------------------------------- a save that cannot finish
+
+
+@contextlib.contextmanager
+def _immutable(path: Path):
+    """``chattr +i``: not even root may write in ``path`` (chmod does not stop root)."""
+    if shutil.which("chattr") is None or subprocess.run(
+            ["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here (needs root on ext4-like filesystems)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@slow
+def test_a_save_that_cannot_be_written_fails_fast_in_one_line(work, finished):
+    model = _copy(finished, work / "read_only")
+    checkpoints = model / "checkpoints"
+    before = tree_hash(checkpoints)
+    gin = _gin(work, "read_only", model, 3)
+    with _immutable(checkpoints):
+        t0 = time.time()
+        r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={gin}",
+                        "--gin.TRAIN_STEPS=5"])  # changed settings: a config.3.gin to keep
+        took = time.time() - t0
+        assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+        lines = _lines(r.stderr)
+        assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert lines[0].startswith("ode-lm-train: error: saving checkpoint step 4"), lines
+        assert f"cannot write to {checkpoints}" in lines[0], lines
+        assert "latest complete checkpoint is still step 3" in lines[0], lines
+        assert took < 120, f"{took:.0f}s: the failed save waited for orbax's timeout"
+        assert tree_hash(checkpoints) == before  # the earlier checkpoints intact
+    assert not (model / "config.3.gin").exists(), "a config for a checkpoint never saved"
     assert not (model / "run.lock").exists()
 
 
