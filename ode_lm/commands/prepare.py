@@ -136,6 +136,6 @@ def run(args: argparse.Namespace, prog: str = "ode-lm prepare") -> int:
               f"(listed in {MANIFEST} skipped_files)")
     print(f"manifest: {manifest_path(cfg.data_dir)} (vocab {m['vocab_size']}, "
           f"eos {m['eos_id']})")
-    for line in split_warnings(m):  # after the bar is closed: one whole line each
-        print(f"{prog}: warning: {line}", file=sys.stderr)
+    for line in split_warnings(m):  # held with the run's other warnings, printed at its end
+        logging.getLogger("ode_lm.data.prepare").warning(line)
     return 0
