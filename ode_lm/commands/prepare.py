@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm prepare") -> int
     propagate, log.propagate = log.propagate, False  # would print them at once
     log.addHandler(held)
     try:
-        code = cli.run_command(prog, lambda: run(args, prog))
+        code = cli.run_command(prog, lambda: run(args))
     finally:
         log.removeHandler(held)
         log.propagate = propagate
@@ -110,7 +110,7 @@ def split_warnings(manifest: dict[str, Any]) -> list[str]:
     return out
 
 
-def run(args: argparse.Namespace, prog: str = "ode-lm prepare") -> int:
+def run(args: argparse.Namespace) -> int:
     from ode_lm.data.manifest import MANIFEST, manifest_path
     from ode_lm.data.prepare import prepare
 
