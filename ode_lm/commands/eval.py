@@ -11,7 +11,7 @@ restore, one data pass per setting): space-separated groups ``SOLVER:N,N,...`` f
 fixed-grid solver (euler, midpoint, rk4) at each N, ``SOLVER:RTOL,...`` for an adaptive one
 (adaptive, bosh3, dopri5) at each tolerance, or a bare ``N,N,...`` for the run's own solver;
 the run's own solver and N are always evaluated too, and every other setting is printed
-with its gap to them (``eval/depth_gap/<setting>``, as the trainer logs it).
+with its gap to them (the depth-gap figure the trainer logs, ``training.metric_names``).
 ``--log`` appends the results to MODEL_DIR/metrics.jsonl as one row at the checkpoint's step,
 in the trainer's format, so ``ode-lm depth-gap table/plot`` shows them.
 ``--lm_eval_tasks=TASKS [--lm_eval_include_path=DIR]`` runs lm-eval tasks on the checkpoint
@@ -36,7 +36,7 @@ SOLVES_HELP = """--solves syntax: space-separated groups, in one quoted argument
   adaptive:1e-3     an adaptive solver (adaptive | bosh3 | dopri5) at each rtol
   8,12              the run's own solver at each N
 The run's own solver and N are always evaluated; each other setting's gap to them is printed
-(eval/depth_gap/<setting>). --log appends the row to MODEL_DIR/metrics.jsonl."""
+(as the trainer logs it). --log appends the row to MODEL_DIR/metrics.jsonl."""
 
 
 def parse_solves(text: str) -> list:
@@ -111,7 +111,7 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     'eval/tokens'} for a saved run, named as the trainer names them
     (``training.metric_names``: no suffix at the model's own solver and N,
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
-    adaptive), and ``eval/depth_gap/<setting>`` as the trainer logs it."""
+    adaptive), and each setting's depth gap as the trainer logs it."""
     from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_run
 

@@ -173,5 +173,5 @@ def test_eval_cli_matches_training_eval_and_sweeps_depth(reference, capsys):
     assert rk4["eval/nfe@rk4:steps=2"] == 8.0 and rk4["eval/tokens"] == results["eval/tokens"]
     assert f"eval/perplexity@rk4:steps=2: {rk4['eval/perplexity@rk4:steps=2']:.4f}" in out
     assert rk4["eval/loss@rk4:steps=2"] != results["eval/loss"]
-    assert main([f"--model_dir={reference}", "--solver=rk5"]) == 1
+    assert main([f"--model_dir={reference}", "--solver=rk5"]) == 2  # a bad flag value
     assert "--solver='rk5'" in capsys.readouterr().err
