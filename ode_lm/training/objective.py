@@ -123,6 +123,13 @@ def _share(config: Any) -> None:
     require(config, "share", 0 < config.share <= 1, "must be in (0, 1]")
 
 
+def _kl_from_main(inputs: TermInputs, student: jax.Array) -> jax.Array:
+    """KL(stop_gradient(p_main) ‖ p_student) per counted token, a share of the global count."""
+    log_t = jax.nn.log_softmax(jax.lax.stop_gradient(inputs.logits))
+    kl = jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(student)), axis=-1)
+    return jnp.sum(kl * inputs.mask()) / inputs.num_tokens
+
+
 # fold_in ids of the in-program draws, apart from the microbatch indices 0..k-1
 NUM_STEPS_STREAM = 0x4E535445  # the step's N ("NSTE")
 DISTILL_STREAM = 0x44495354  # the coarse N and the coarse solve's grid offset ("DIST")
@@ -212,10 +219,7 @@ class Distillation(Term):
         key = jax.random.fold_in(inputs.key, DISTILL_STREAM)
         # the coarse N: from the step's stream, as the main N (one per step)
         coarse_n = draw(jax.random.fold_in(inputs.step_key, DISTILL_STREAM), self.num_steps)
-        coarse = inputs.forward(coarse_n, "euler", max(self.num_steps), key)
-        log_t = jax.nn.log_softmax(jax.lax.stop_gradient(inputs.logits))
-        kl = jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(coarse)), axis=-1)
-        kl = jnp.sum(kl * inputs.mask()) / inputs.num_tokens
+        kl = _kl_from_main(inputs, inputs.forward(coarse_n, "euler", max(self.num_steps), key))
         return self.weight * kl, {"distill_loss": kl * inputs.microbatches,
                                   "distill_num_steps": coarse_n.astype(jnp.float32)}
 
@@ -312,8 +316,48 @@ class SolverLoss(Term):
         return ((self.num_steps, self.solver),) if choice else ()
 
 
+SOLVER_DISTILL_STREAM = 0x53444953  # the exact solve's grid offset ("SDIS")
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverDistillation(Term):
+    """On a drawn ``share`` of the steps, a second solve with ``solver`` at ``num_steps`` (a
+    cheap stand-in for the exact flow) learns the main solve's next-token distribution,
+    ``weight``·KL(stop_gradient(p_main) ‖ p_solver): the exact flow is pulled to Euler's
+    grid, not Euler's grid to the exact flow, so the main solve keeps its loss."""
+
+    weight: float = 1.0
+    share: float = 0.15
+    solver: str = "rk4"
+    num_steps: int = 2
+    name: ClassVar[str] = "solver_distillation"
+
+    def __post_init__(self):
+        check_types(self)
+        require_positive(self, "weight")
+        _share(self)
+        require_one_of(self, "solver", SOLVERS)
+        require_at_least(self, 1, "num_steps")
+
+    def variants(self):
+        return (False, True) if self.share < 1 else (True,)
+
+    def choose(self, seed, step):
+        return self.share >= 1 or self._uniform(seed, step) < self.share
+
+    def loss(self, inputs, choice):
+        if not choice:
+            return jnp.zeros(()), {}
+        key = jax.random.fold_in(inputs.key, SOLVER_DISTILL_STREAM)
+        kl = _kl_from_main(inputs, inputs.forward(self.num_steps, self.solver, None, key))
+        return self.weight * kl, {"solver_distill_loss": kl * inputs.microbatches}
+
+    def extra_forwards(self, choice):
+        return ((self.num_steps, self.solver),) if choice else ()
+
+
 TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare,
-                                 SolverLoss)
+                                 SolverLoss, SolverDistillation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,6 +28,7 @@ from ode_lm.training.objective import (
     Distillation,
     KineticEnergy,
     RandomSteps,
+    SolverDistillation,
     SolverLoss,
     SolverShare,
 )
@@ -90,10 +91,11 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
     SolverShare: {"share": "1.5", "solver": "'rk5'", "num_steps": "0", "final": "1.5",
                   "ramp_steps": "-1"},
     SolverLoss: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0"},
+    SolverDistillation: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0"},
 }
 # every term listed, so each term class is built from its bindings
 TERMS_GIN = ("\nStepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), "
-             "@SolverShare(), @SolverLoss()]\n")
+             "@SolverShare(), @SolverLoss(), @SolverDistillation()]\n")
 # fields the configs set through a macro (gin refuses a second name for them)
 MACROS = {(TrainConfig, "model_dir"): "MODEL_DIR", (TrainConfig, "num_train_steps"): "TRAIN_STEPS"}
 CASES = [(cls, field) for cls, fields in BAD.items() for field in fields]

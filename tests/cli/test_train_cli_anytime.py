@@ -1,7 +1,8 @@
 """Exact resume after SIGKILL and the TensorBoard scalars with every term of the objective
-on (weighted random N, kinetic energy, self-distillation and a solver share, each of the
-last two on a drawn share of the steps, so the host picks a compiled variant per step): the
-subprocess harness of train_cli_helpers with these bindings added."""
+on (weighted random N, kinetic energy, self-distillation, a solver share and distillation
+into a second solver, each of the last three on a drawn share of the steps, so the host
+picks a compiled variant per step): the subprocess harness of train_cli_helpers with these
+bindings added."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ Distillation.share = 0.5
 SolverShare.share = 0.5
 SolverShare.solver = 'midpoint'
 SolverShare.num_steps = 1
-StepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), @SolverShare()]
+SolverDistillation.share = 0.5
+SolverDistillation.solver = 'rk4'
+SolverDistillation.num_steps = 1
+StepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), @SolverShare(),
+                    @SolverDistillation()]
 """
 
 
@@ -41,17 +46,21 @@ def test_anytime_terms_and_draws_reach_tensorboard(reference):
     acc = EventAccumulator(str(reference))
     acc.Reload()
     values = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    from ode_lm.training.objective import Distillation, SolverShare
+    from ode_lm.training.objective import Distillation, SolverDistillation, SolverShare
 
     seed = 0  # TrainConfig.seed of the micro run
     distilled = [s for s in range(2 * cli.K) if Distillation(share=0.5).choose(seed, s)]
     shared = [float(SolverShare(share=0.5).choose(seed, s)) for s in range(2 * cli.K)]
+    pulled = [s for s in range(2 * cli.K) if SolverDistillation(share=0.5).choose(seed, s)]
     # log_every = 1: a row per step; a term's metrics on the steps its host draw picked
     steps = [e.step for e in acc.Scalars("train/distill_loss")]
     assert steps == [s + 1 for s in distilled] and distilled, steps
     assert all(v > 0 for v in values["train/distill_loss"])
     assert set(values["train/distill_num_steps"]) == {1.0}
     assert values["train/solver_share"] == shared and 0 < sum(shared) < len(shared)
+    steps = [e.step for e in acc.Scalars("train/solver_distill_loss")]
+    assert steps == [s + 1 for s in pulled] and 0 < len(pulled) < 2 * cli.K, steps
+    assert all(v > 0 for v in values["train/solver_distill_loss"])
     assert set(values["train/num_steps"]) <= {1.0, 2.0, 3.0}
     assert all(v > 0 for v in values["train/flops_per_token"])
 

@@ -62,7 +62,7 @@ ANYTIME = (obj.RandomSteps(choices=(1, 2, 4), weights=(3.0, 2.0, 1.0)),
 
 
 @pytest.mark.parametrize("term", [obj.Distillation(share=0.3), obj.SolverShare(share=0.3),
-                                  obj.SolverLoss(share=0.3)])
+                                  obj.SolverLoss(share=0.3), obj.SolverDistillation(share=0.3)])
 def test_host_draws_are_a_function_of_seed_and_step_at_the_share(term):
     draws = [term.choose(0, s) for s in range(4000)]
     assert draws == [term.choose(0, s) for s in range(4000)]  # a pure function
@@ -128,6 +128,10 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.SolverLoss(share=0.0), "SolverLoss.share"),
     (lambda: obj.SolverLoss(solver="rk5"), "rk5"),
     (lambda: obj.SolverLoss(num_steps=0), "SolverLoss.num_steps"),
+    (lambda: obj.SolverDistillation(weight=0.0), "SolverDistillation.weight"),
+    (lambda: obj.SolverDistillation(share=1.5), "SolverDistillation.share"),
+    (lambda: obj.SolverDistillation(solver="rk5"), "rk5"),
+    (lambda: obj.SolverDistillation(num_steps=0), "SolverDistillation.num_steps"),
     (lambda: step_lib.StepConfig(terms=("kinetic",)), "expected training-objective terms"),
     (lambda: step_lib.StepConfig(num_steps=4, terms=(obj.RandomSteps(),)), "not both"),
     (lambda: step_lib.StepConfig(terms=(obj.KineticEnergy(), obj.KineticEnergy())),
@@ -303,6 +307,44 @@ def test_solver_loss_adds_the_second_solves_cross_entropy_to_the_main_one():
 
 
 @pytest.mark.slow
+def test_solver_distillation_pulls_the_second_solve_to_the_main_one():
+    """With a SolverDistillation step the objective is CE(Euler N=3) + w·KL(p_Euler ‖ p_RK4
+    N=1), the teacher (the main solve) under stop_gradient: the logged term is that KL, the
+    reported loss the main solve's cross-entropy, the gradient that of the sum."""
+    spec = _spec(tiny_config())
+    w = 1.5
+    config = step_lib.StepConfig(terms=(
+        obj.RandomSteps(choices=(3,)),
+        obj.SolverDistillation(weight=w, share=1.0, solver="rk4", num_steps=1)))
+    state = state_lib.init_state(spec, 0)
+    params = state["params"]
+    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
+    run = lambda p, n, solver: spec.model(p)(batch["inputs"], batch["positions"],
+                                             batch["segment_ids"], num_steps=n, solver=solver)
+    tokens = float(jnp.sum(batch["loss_mask"]))
+
+    def kl_to(p, teacher):
+        log_t = jax.nn.log_softmax(teacher)
+        student = jax.nn.log_softmax(run(p, 1, "rk4"))
+        return jnp.sum(jnp.exp(log_t) * (log_t - student)) / tokens
+
+    def objective(p):
+        logits = run(p, 3, "euler")
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
+                                                                      batch["targets"]))
+        return ce + w * kl_to(p, jax.lax.stop_gradient(logits)), ce
+
+    (_, ce), grads = jax.value_and_grad(objective, has_aux=True)(params)
+    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
+    with jax.set_mesh(spec.mesh):
+        _, m = fn(state, batch)
+    np.testing.assert_allclose(float(m["solver_distill_loss"]),
+                               float(kl_to(params, run(params, 3, "euler"))), rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_kinetic_energy_ramp_weights_the_step_as_a_constant_weight_would():
     """At step s the ramped step takes the update of a constant-weight step at
     λ(s) = λ0 + (λ1 − λ0)·min(s / ramp, 1), and logs λ(s)."""
@@ -340,7 +382,9 @@ def test_a_steps_flops_count_its_solvers_evaluations_and_reach_mfu():
     cases = [((), count(None, None)),  # the model's own N and solver
              ((obj.SolverShare(share=1.0, solver="rk4", num_steps=2),), count(2, "rk4")),
              ((obj.Distillation(num_steps=(1,)),), count(None, None) + count(1, "euler")),
-             ((obj.SolverLoss(share=1.0, num_steps=2),), count(None, None) + count(2, "rk4"))]
+             ((obj.SolverLoss(share=1.0, num_steps=2),), count(None, None) + count(2, "rk4")),
+             ((obj.SolverDistillation(share=1.0, num_steps=2),),
+              count(None, None) + count(2, "rk4"))]
     with jax.set_mesh(spec.mesh):
         for terms, expected in cases:
             fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0),
