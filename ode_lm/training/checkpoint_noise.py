@@ -25,17 +25,23 @@ def _from_orbax(tb: Any) -> bool:
     return False
 
 
+# orbax writes a step under "<step>.orbax-checkpoint-tmp" until it is complete
+SAVE_IN_PROGRESS = ".orbax-checkpoint-tmp"
+
+
 class _OrbaxSaveNoise(logging.Filter):
     """A failed background save is logged with its traceback by orbax (absl, from several
     threads) and by asyncio (its unretrieved write futures): about a thousand lines for a
     full disk. The caller gets the error as one line (CheckpointSaveError), so records
-    carrying an orbax exception are dropped unless ODE_LM_DEBUG is set."""
+    carrying an orbax exception, or the error of a write into a save in progress (which
+    tensorstore raises with no orbax frame), are dropped unless ODE_LM_DEBUG is set."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info is None or os.environ.get("ODE_LM_DEBUG"):
             return True
-        tb = record.exc_info[2]
-        return not (f"{os.sep}orbax{os.sep}" in record.pathname or _from_orbax(tb))
+        _, exc, tb = record.exc_info
+        return not (f"{os.sep}orbax{os.sep}" in record.pathname or _from_orbax(tb)
+                    or SAVE_IN_PROGRESS in str(exc))
 
 
 def _closed_loop_noise(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
