@@ -279,16 +279,14 @@ SOLVER_LOSS_STREAM = 0x534F4C56  # the second solve's grid offset ("SOLV")
 
 
 @dataclasses.dataclass(frozen=True)
-class SolverLoss(Term):
-    """On a drawn ``share`` of the steps, a second solve of the same batch with ``solver`` at
-    ``num_steps`` adds its data loss, ``weight``·CE: the exact flow is trained beside
-    Euler's grid, and unlike ``SolverShare`` the main solve keeps every step."""
+class _SecondSolve(Term):
+    """On a drawn ``share`` of the steps, a second solve of the same batch with ``solver``
+    at ``num_steps`` adds ``weight``·(its loss); the main solve keeps every step."""
 
     weight: float = 1.0
     share: float = 0.1
     solver: str = "rk4"
     num_steps: int = 2
-    name: ClassVar[str] = "solver_loss"
 
     def __post_init__(self):
         check_types(self)
@@ -303,57 +301,47 @@ class SolverLoss(Term):
     def choose(self, seed, step):
         return self.share >= 1 or self._uniform(seed, step) < self.share
 
+    def extra_forwards(self, choice):
+        return ((self.num_steps, self.solver),) if choice else ()
+
+    def _second_solve(self, inputs: TermInputs, stream: int) -> jax.Array:
+        key = jax.random.fold_in(inputs.key, stream)
+        return inputs.forward(self.num_steps, self.solver, None, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolverLoss(_SecondSolve):
+    """The second solve's data loss, ``weight``·CE: the exact flow is trained beside Euler's
+    grid, and unlike ``SolverShare`` the main solve keeps every step."""
+
+    name: ClassVar[str] = "solver_loss"
+
     def loss(self, inputs, choice):
         if not choice:
             return jnp.zeros(()), {}
-        key = jax.random.fold_in(inputs.key, SOLVER_LOSS_STREAM)
-        logits = inputs.forward(self.num_steps, self.solver, None, key)
+        logits = self._second_solve(inputs, SOLVER_LOSS_STREAM)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, inputs.batch["targets"])
         ce = jnp.sum(ce * inputs.mask()) / inputs.num_tokens
         return self.weight * ce, {"solver_loss": ce * inputs.microbatches}
-
-    def extra_forwards(self, choice):
-        return ((self.num_steps, self.solver),) if choice else ()
 
 
 SOLVER_DISTILL_STREAM = 0x53444953  # the exact solve's grid offset ("SDIS")
 
 
 @dataclasses.dataclass(frozen=True)
-class SolverDistillation(Term):
-    """On a drawn ``share`` of the steps, a second solve with ``solver`` at ``num_steps`` (a
-    cheap stand-in for the exact flow) learns the main solve's next-token distribution,
-    ``weight``·KL(stop_gradient(p_main) ‖ p_solver): the exact flow is pulled to Euler's
-    grid, not Euler's grid to the exact flow, so the main solve keeps its loss."""
+class SolverDistillation(_SecondSolve):
+    """The second solve (a cheap stand-in for the exact flow) learns the main solve's
+    next-token distribution, ``weight``·KL(stop_gradient(p_main) ‖ p_solver): the exact flow
+    is pulled to Euler's grid, not Euler's grid to the exact flow."""
 
-    weight: float = 1.0
     share: float = 0.15
-    solver: str = "rk4"
-    num_steps: int = 2
     name: ClassVar[str] = "solver_distillation"
-
-    def __post_init__(self):
-        check_types(self)
-        require_positive(self, "weight")
-        _share(self)
-        require_one_of(self, "solver", SOLVERS)
-        require_at_least(self, 1, "num_steps")
-
-    def variants(self):
-        return (False, True) if self.share < 1 else (True,)
-
-    def choose(self, seed, step):
-        return self.share >= 1 or self._uniform(seed, step) < self.share
 
     def loss(self, inputs, choice):
         if not choice:
             return jnp.zeros(()), {}
-        key = jax.random.fold_in(inputs.key, SOLVER_DISTILL_STREAM)
-        kl = _kl_from_main(inputs, inputs.forward(self.num_steps, self.solver, None, key))
+        kl = _kl_from_main(inputs, self._second_solve(inputs, SOLVER_DISTILL_STREAM))
         return self.weight * kl, {"solver_distill_loss": kl * inputs.microbatches}
-
-    def extra_forwards(self, choice):
-        return ((self.num_steps, self.solver),) if choice else ()
 
 
 TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare,
