@@ -237,27 +237,25 @@ def test_the_step_is_deterministic_given_the_seed_and_logs_each_terms_draws():
     assert [r["loss"] for r in rows3] != [r["loss"] for r in rows]
 
 
-@pytest.mark.slow
-def test_distill_loss_is_the_kl_from_the_main_to_the_coarse_solve():
-    """The logged term is KL(p_N=3 ‖ p_N=1) of the pre-update params, the reported loss stays
-    the main solve's cross-entropy, and the teacher gets no gradient."""
+def _distilled_step(term, w: float, student: tuple[int, str]):
+    """A step of Euler N=3 with ``term`` against the hand-written objective
+    CE(Euler N=3) + w·KL(stop_gradient(p_N=3) ‖ p_student): (the step's metrics, the KL of
+    the pre-update params, the main solve's CE, the reference gradients)."""
     spec = _spec(tiny_config())
-    w = 0.7
-    config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(3,)),
-                                        obj.Distillation(weight=w, num_steps=(1,))))
+    config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(3,)), term))
     state = state_lib.init_state(spec, 0)
     params = state["params"]
     batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-    run = lambda p, n: spec.model(p)(batch["inputs"], batch["positions"],
-                                     batch["segment_ids"], num_steps=n)
+    run = lambda p, n, solver: spec.model(p)(batch["inputs"], batch["positions"],
+                                             batch["segment_ids"], num_steps=n, solver=solver)
     tokens = float(jnp.sum(batch["loss_mask"]))
 
     def kl_to(p, teacher):
         log_t = jax.nn.log_softmax(teacher)
-        return jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(run(p, 1)))) / tokens
+        return jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(run(p, *student)))) / tokens
 
     def objective(p):
-        logits = run(p, 3)
+        logits = run(p, 3, "euler")
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
                                                                       batch["targets"]))
         return ce + w * kl_to(p, jax.lax.stop_gradient(logits)), ce
@@ -266,8 +264,16 @@ def test_distill_loss_is_the_kl_from_the_main_to_the_coarse_solve():
     fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
     with jax.set_mesh(spec.mesh):
         _, m = fn(state, batch)
-    np.testing.assert_allclose(float(m["distill_loss"]), float(kl_to(params, run(params, 3))),
-                               rtol=1e-5)
+    return m, kl_to(params, run(params, 3, "euler")), ce, grads
+
+
+@pytest.mark.slow
+def test_distill_loss_is_the_kl_from_the_main_to_the_coarse_solve():
+    """The logged term is KL(p_N=3 ‖ p_N=1) of the pre-update params, the reported loss stays
+    the main solve's cross-entropy, and the teacher gets no gradient."""
+    m, kl, ce, grads = _distilled_step(obj.Distillation(weight=0.7, num_steps=(1,)), 0.7,
+                                       (1, "euler"))
+    np.testing.assert_allclose(float(m["distill_loss"]), float(kl), rtol=1e-5)
     np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
     np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
     assert float(m["distill_num_steps"]) == 1.0
@@ -311,35 +317,9 @@ def test_solver_distillation_pulls_the_second_solve_to_the_main_one():
     """With a SolverDistillation step the objective is CE(Euler N=3) + w·KL(p_Euler ‖ p_RK4
     N=1), the teacher (the main solve) under stop_gradient: the logged term is that KL, the
     reported loss the main solve's cross-entropy, the gradient that of the sum."""
-    spec = _spec(tiny_config())
-    w = 1.5
-    config = step_lib.StepConfig(terms=(
-        obj.RandomSteps(choices=(3,)),
-        obj.SolverDistillation(weight=w, share=1.0, solver="rk4", num_steps=1)))
-    state = state_lib.init_state(spec, 0)
-    params = state["params"]
-    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-    run = lambda p, n, solver: spec.model(p)(batch["inputs"], batch["positions"],
-                                             batch["segment_ids"], num_steps=n, solver=solver)
-    tokens = float(jnp.sum(batch["loss_mask"]))
-
-    def kl_to(p, teacher):
-        log_t = jax.nn.log_softmax(teacher)
-        student = jax.nn.log_softmax(run(p, 1, "rk4"))
-        return jnp.sum(jnp.exp(log_t) * (log_t - student)) / tokens
-
-    def objective(p):
-        logits = run(p, 3, "euler")
-        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                      batch["targets"]))
-        return ce + w * kl_to(p, jax.lax.stop_gradient(logits)), ce
-
-    (_, ce), grads = jax.value_and_grad(objective, has_aux=True)(params)
-    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
-    with jax.set_mesh(spec.mesh):
-        _, m = fn(state, batch)
-    np.testing.assert_allclose(float(m["solver_distill_loss"]),
-                               float(kl_to(params, run(params, 3, "euler"))), rtol=1e-5)
+    term = obj.SolverDistillation(weight=1.5, share=1.0, solver="rk4", num_steps=1)
+    m, kl, ce, grads = _distilled_step(term, 1.5, (1, "rk4"))
+    np.testing.assert_allclose(float(m["solver_distill_loss"]), float(kl), rtol=1e-5)
     np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
     np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
 
