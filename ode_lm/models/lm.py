@@ -74,6 +74,7 @@ class DiffEqFormer(LanguageModel):
         solver: str | None = None,
         max_steps: int | None = None,
         rngs: nnx.Rngs | None = None,
+        acceleration: bool = False,
     ) -> tuple[jax.Array, Stats]:
         """(x_N, {"nfe", "kinetic_energy"}) of N steps x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_i).
 
@@ -82,7 +83,9 @@ class DiffEqFormer(LanguageModel):
         the random grid offset and dropout; None is the deterministic solve. The kinetic
         energy ∫ mean(f²) dt (Finlay et al. 2020) is integrated beside x by the same solver at
         no extra evaluation, kept per sequence ([B], sharded like the batch, so the step holds
-        no cross-device reduction) and averaged over the batch after the solve.
+        no cross-device reduction) and averaged over the batch after the solve. With
+        ``acceleration`` the stats also hold ∫ mean‖d²x/dt²‖² dt (Kelly et al. 2020) from
+        the second differences of the solve's own steps, again at no extra evaluation.
         """
         grid, solver = self._fixed_grid(num_steps, solver, max_steps)
         f, step_inputs, offset = self._grid_field(positions, segment_ids, grid, solver, rngs)
@@ -91,10 +94,15 @@ class DiffEqFormer(LanguageModel):
             dx = f(state[0], t, *inputs)
             return dx, jnp.mean(jnp.square(dx), axis=(1, 2))
 
-        x, energy = solvers.solve_on_grid(
+        out = solvers.solve_on_grid(
             f_and_energy, (x0, jnp.zeros(x0.shape[:1], jnp.float32)), grid, solver=solver,
-            time_offset=offset, step_inputs=step_inputs, remat=remat_policy(self.config.remat))
-        return x, {"nfe": _fixed_nfe(grid, solver), "kinetic_energy": jnp.mean(energy)}
+            time_offset=offset, step_inputs=step_inputs, remat=remat_policy(self.config.remat),
+            acceleration_of=(lambda state: state[0]) if acceleration else None)
+        (x, energy), accel = out if acceleration else (out, None)
+        stats = {"nfe": _fixed_nfe(grid, solver), "kinetic_energy": jnp.mean(energy)}
+        if acceleration:
+            stats["acceleration"] = jnp.mean(accel)
+        return x, stats
 
     def solve_adaptive(
         self,
@@ -155,6 +163,7 @@ class DiffEqFormer(LanguageModel):
         max_steps: int | None = None,
         rtol: float | None = None,
         atol: float | None = None,
+        acceleration: bool = False,
     ):
         """``__call__``'s ODE solve from x₀: ``solve_adaptive`` for an adaptive solver (which
         ignores the step options), else ``solve_fixed`` (which ignores rtol/atol), with the
@@ -167,7 +176,8 @@ class DiffEqFormer(LanguageModel):
         else:
             x, stats = self.solve_fixed(x0, positions, segment_ids, num_steps=num_steps,
                                         solver=solver, max_steps=max_steps,
-                                        rngs=self._training_rngs(deterministic, rngs))
+                                        rngs=self._training_rngs(deterministic, rngs),
+                                        acceleration=acceleration)
         return (x, stats) if return_stats else x
 
     # ---- the fixed grid -----------------------------------------------------------------------

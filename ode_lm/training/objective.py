@@ -42,9 +42,11 @@ class MainSolve:
     num_steps: Any = None
     solver: str | None = None
     max_steps: int | None = None
+    acceleration: bool = False  # the solve also integrates ∫ mean‖d²x/dt²‖² dt
 
-    def options(self) -> dict[str, int]:
-        return {"max_steps": self.max_steps} if self.max_steps is not None else {}
+    def options(self) -> dict[str, Any]:
+        options: dict[str, Any] = {"acceleration": True} if self.acceleration else {}
+        return {**options, "max_steps": self.max_steps} if self.max_steps is not None else options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +192,31 @@ class KineticEnergy(Term):
 
 
 @dataclasses.dataclass(frozen=True)
+class Acceleration(Term):
+    """λ·∫ mean‖d²x/dt²‖² dt, the second-order regulariser of Kelly et al. (2020), from the
+    second differences of the main solve's own steps (no further evaluation of f): a
+    trajectory with little curvature is one that Euler's coarse grids and the exact flow
+    (RK4, adaptive) integrate alike. λ is ``weight``."""
+
+    weight: float = 0.1
+    name: ClassVar[str] = "acceleration"
+
+    def __post_init__(self):
+        check_types(self)
+        require_at_least(self, 0.0, "weight")
+
+    def main_solve(self, solve, choice, key):
+        return dataclasses.replace(solve, acceleration=True)
+
+    def loss(self, inputs, choice):
+        if "acceleration" not in inputs.stats:  # at trace time: a model without an ODE solve
+            raise SettingError("Acceleration: the model's forward has no fixed-grid ODE solve "
+                               "to take second differences of (a discrete baseline?): remove "
+                               "the term from StepConfig.terms")
+        return self.weight * inputs.stats["acceleration"] / inputs.microbatches, {}
+
+
+@dataclasses.dataclass(frozen=True)
 class Distillation(Term):
     """Self-distillation across grids: a coarse Euler solve (N drawn in the program from
     ``num_steps``) learns the main solve's next-token distribution,
@@ -269,7 +296,8 @@ class SolverShare(Term):
     def main_solve(self, solve, choice, key):
         if not choice:
             return solve
-        return MainSolve(num_steps=self.num_steps, solver=self.solver)
+        return dataclasses.replace(solve, num_steps=self.num_steps, solver=self.solver,
+                                   max_steps=None)
 
     def loss(self, inputs, choice):
         return jnp.zeros(()), {"solver_share": jnp.float32(bool(choice))}
@@ -344,7 +372,8 @@ class SolverDistillation(_SecondSolve):
         return self.weight * kl, {"solver_distill_loss": kl * inputs.microbatches}
 
 
-TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare,
+TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Acceleration, Distillation,
+                                 SolverShare,
                                  SolverLoss, SolverDistillation)
 
 

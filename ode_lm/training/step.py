@@ -242,7 +242,9 @@ def _solve_loss(spec, params, mb, solve, mb_key, stochastic):
                                   solver=solve.solver,
                                   dropout_key=mb_key if stochastic else None, **solve.options())
     return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32),
-                   "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(()))}, stats["logits"]
+                   "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(())),
+                   **({"acceleration": stats["acceleration"]} if "acceleration" in stats else {})
+                   }, stats["logits"]
 
 
 def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, nfe: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ import pytest
 from numerics import F32_EPS
 
 from ode_lm import partitioning
+from ode_lm.errors import SettingError
 from ode_lm.models import build_model
 from ode_lm.models.accounting import flops_per_token
 from ode_lm.training import metrics as metrics_lib
@@ -116,6 +117,7 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.KineticEnergy(weight=-1.0), "KineticEnergy.weight"),
     (lambda: obj.KineticEnergy(final=1.0), "ramp_steps"),
     (lambda: obj.KineticEnergy(final=-1.0, ramp_steps=10), "KineticEnergy.final"),
+    (lambda: obj.Acceleration(weight=-0.5), "Acceleration.weight"),
     (lambda: obj.Distillation(weight=0.0), "Distillation.weight"),
     (lambda: obj.Distillation(num_steps=(0,)), "Distillation.num_steps"),
     (lambda: obj.Distillation(share=0.0), "Distillation.share"),
@@ -322,6 +324,53 @@ def test_solver_distillation_pulls_the_second_solve_to_the_main_one():
     np.testing.assert_allclose(float(m["solver_distill_loss"]), float(kl), rtol=1e-5)
     np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
     np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_acceleration_adds_the_second_differences_of_the_main_solve():
+    """With an Acceleration term the objective is CE(Euler N=3) + w·Σ_k mean(Δ²x_k)²/dt³,
+    Δ²x_k the second differences of the main solve's own states: the logged term is that
+    sum of the pre-update params, the reported loss the cross-entropy, the gradient that of
+    the sum, and the step runs no further solve (its FLOPs are the plain step's)."""
+    spec = _spec(tiny_config())
+    w = 3.0
+    config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(3,)), obj.Acceleration(w)))
+    state = state_lib.init_state(spec, 0)
+    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
+
+    def parts(p):
+        model = spec.model(p)
+        states = model.trajectory(batch["inputs"], batch["positions"], batch["segment_ids"],
+                                  num_steps=3)
+        second = jnp.diff(states, n=2, axis=0)  # [N-1, B, T, E]
+        accel = jnp.mean(jnp.sum(jnp.mean(jnp.square(second), axis=(2, 3)), axis=0)) * 27
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+            model.logits(states[-1]), batch["targets"]))
+        return ce + w * accel, (ce, accel)
+
+    (_, (ce, accel)), grads = jax.value_and_grad(parts, has_aux=True)(state["params"])
+    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
+    plain = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0),
+                                             step_lib.StepConfig(num_steps=3)))
+    with jax.set_mesh(spec.mesh):
+        _, m = fn(state, batch)
+        _, m_plain = plain(state, batch)
+    assert float(accel) > 0
+    np.testing.assert_allclose(float(m["acceleration"]), float(accel), rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
+    assert "acceleration" not in m_plain
+    assert float(m["flops_per_token"]) == float(m_plain["flops_per_token"])
+
+
+def test_acceleration_on_a_discrete_model_is_refused_in_one_line():
+    spec = _spec(tiny_config(architecture="sequential", num_layers=2))
+    config = step_lib.StepConfig(terms=(obj.Acceleration(),))
+    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
+    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
+    with jax.set_mesh(spec.mesh), pytest.raises(SettingError, match="Acceleration: .*"
+                                                "remove the term from StepConfig.terms"):
+        fn(state_lib.init_state(spec, 0), batch)
 
 
 @pytest.mark.slow
