@@ -53,7 +53,8 @@ class MainSolve:
 class TermInputs:
     """What a term's loss sees, for one microbatch: the main solve's float32 logits and
     stats, the global count of counted tokens (losses are sums over it, so microbatches add
-    up), and ``forward`` for a further solve of the same parameters."""
+    up), and ``forward`` for a further solve of the same parameters; ``every_kth_row`` is
+    the same on a slice of the rows (a further solve at a fraction of its cost)."""
 
     params: Any
     batch: Any
@@ -64,10 +65,33 @@ class TermInputs:
     microbatches: int
     logits: jax.Array
     stats: dict
-    forward: Any  # (num_steps, solver, max_steps, key) -> float32 logits
+    solve_batch: Any  # (batch, num_steps, solver, max_steps, key) -> float32 logits
 
     def mask(self) -> jax.Array:
         return self.batch["loss_mask"].astype(jnp.float32)
+
+    def forward(self, num_steps: Any, solver: str | None, max_steps: int | None,
+                key: jax.Array) -> jax.Array:
+        """float32 logits of a further solve of this microbatch (its grid offset from key)."""
+        return self.solve_batch(self.batch, num_steps, solver, max_steps, key)
+
+    def every_kth_row(self, k: int, owner: str) -> TermInputs:
+        """These inputs on rows 0, k, 2k, … of the microbatch, with the token count scaled
+        by 1/k, so a loss summed over them estimates the whole microbatch's. Strided, so
+        each batch shard keeps its own rows (no cross-device move). ``owner``: the
+        setting named when the rows do not divide by k."""
+        if k == 1:
+            return self
+        rows = self.logits.shape[0]
+        if rows % k:
+            raise SettingError(f"{owner}={k}: the microbatch has {rows} rows, not a "
+                               f"multiple of {k}")
+
+        def pick(x):
+            return x.reshape(rows // k, k, *x.shape[1:])[:, 0]
+
+        return dataclasses.replace(self, batch={n: pick(v) for n, v in self.batch.items()},
+                                   logits=pick(self.logits), num_tokens=self.num_tokens / k)
 
 
 Choice = Hashable
@@ -94,8 +118,9 @@ class Term:
         """(objective term, metrics) of one microbatch; metrics are averaged over them."""
         return jnp.zeros(()), {}
 
-    def extra_forwards(self, choice: Choice) -> tuple[tuple[Any, str | None], ...]:
-        """(N, solver) of each further solve ``loss`` runs and differentiates: its FLOPs."""
+    def extra_forwards(self, choice: Choice) -> tuple[tuple[Any, str | None, float], ...]:
+        """(N, solver, share of the rows) of each further solve ``loss`` runs and
+        differentiates: its FLOPs."""
         return ()
 
     def _uniform(self, seed: int, step: int) -> float:
@@ -226,6 +251,7 @@ class Distillation(Term):
     weight: float = 1.0
     num_steps: tuple[int, ...] = (2, 3)
     share: float = 1.0
+    row_stride: int = 1  # the coarse solve runs on every k-th row: 1/k of its cost
     name: ClassVar[str] = "distillation"
 
     def __post_init__(self):
@@ -233,6 +259,7 @@ class Distillation(Term):
         _positive_ints(self, "num_steps")
         require_positive(self, "weight")
         _share(self)
+        require_at_least(self, 1, "row_stride")
 
     def variants(self):
         return (True,) if self.share >= 1 else (False, True)
@@ -246,13 +273,14 @@ class Distillation(Term):
         key = jax.random.fold_in(inputs.key, DISTILL_STREAM)
         # the coarse N: from the step's stream, as the main N (one per step)
         coarse_n = draw(jax.random.fold_in(inputs.step_key, DISTILL_STREAM), self.num_steps)
-        kl = _kl_from_main(inputs, inputs.forward(coarse_n, "euler", max(self.num_steps), key))
+        rows = inputs.every_kth_row(self.row_stride, "Distillation.row_stride")
+        kl = _kl_from_main(rows, rows.forward(coarse_n, "euler", max(self.num_steps), key))
         return self.weight * kl, {"distill_loss": kl * inputs.microbatches,
                                   "distill_num_steps": coarse_n.astype(jnp.float32)}
 
     def extra_forwards(self, choice):
         mean_n = sum(self.num_steps) / len(self.num_steps)
-        return ((mean_n, "euler"),) if choice else ()
+        return ((mean_n, "euler", 1 / self.row_stride),) if choice else ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,13 +343,14 @@ class _SecondSolve(Term):
     share: float = 0.1
     solver: str = "rk4"
     num_steps: int = 2
+    row_stride: int = 1  # the second solve runs on every k-th row: 1/k of its cost
 
     def __post_init__(self):
         check_types(self)
         require_positive(self, "weight")
         _share(self)
         require_one_of(self, "solver", SOLVERS)
-        require_at_least(self, 1, "num_steps")
+        require_at_least(self, 1, "num_steps", "row_stride")
 
     def variants(self):
         return (False, True) if self.share < 1 else (True,)
@@ -330,9 +359,13 @@ class _SecondSolve(Term):
         return self.share >= 1 or self._uniform(seed, step) < self.share
 
     def extra_forwards(self, choice):
-        return ((self.num_steps, self.solver),) if choice else ()
+        return ((self.num_steps, self.solver, 1 / self.row_stride),) if choice else ()
+
+    def _rows(self, inputs: TermInputs) -> TermInputs:
+        return inputs.every_kth_row(self.row_stride, f"{type(self).__name__}.row_stride")
 
     def _second_solve(self, inputs: TermInputs, stream: int) -> jax.Array:
+        """The second solve's logits on ``inputs`` (those of ``_rows``)."""
         key = jax.random.fold_in(inputs.key, stream)
         return inputs.forward(self.num_steps, self.solver, None, key)
 
@@ -347,9 +380,10 @@ class SolverLoss(_SecondSolve):
     def loss(self, inputs, choice):
         if not choice:
             return jnp.zeros(()), {}
-        logits = self._second_solve(inputs, SOLVER_LOSS_STREAM)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, inputs.batch["targets"])
-        ce = jnp.sum(ce * inputs.mask()) / inputs.num_tokens
+        rows = self._rows(inputs)
+        logits = self._second_solve(rows, SOLVER_LOSS_STREAM)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, rows.batch["targets"])
+        ce = jnp.sum(ce * rows.mask()) / rows.num_tokens
         return self.weight * ce, {"solver_loss": ce * inputs.microbatches}
 
 
@@ -368,13 +402,13 @@ class SolverDistillation(_SecondSolve):
     def loss(self, inputs, choice):
         if not choice:
             return jnp.zeros(()), {}
-        kl = _kl_from_main(inputs, self._second_solve(inputs, SOLVER_DISTILL_STREAM))
+        rows = self._rows(inputs)
+        kl = _kl_from_main(rows, self._second_solve(rows, SOLVER_DISTILL_STREAM))
         return self.weight * kl, {"solver_distill_loss": kl * inputs.microbatches}
 
 
 TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Acceleration, Distillation,
-                                 SolverShare,
-                                 SolverLoss, SolverDistillation)
+                                 SolverShare, SolverLoss, SolverDistillation)
 
 
 @dataclasses.dataclass(frozen=True)

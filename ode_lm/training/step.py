@@ -149,7 +149,7 @@ def make_objective_grads(spec: StateSpec, config: StepConfig = StepConfig(),
             inputs = objective_lib.TermInputs(
                 params=p, batch=mb, key=mb_key, step_key=key, step=step, num_tokens=num_tokens,
                 microbatches=k, logits=logits, stats=stats,
-                forward=functools.partial(_forward, spec, p, mb, config.dropout))
+                solve_batch=functools.partial(_forward, spec, p, config.dropout))
             data_loss = total / num_tokens
             value, metrics = data_loss, dict(stats)
             for term, choice in chosen:
@@ -227,7 +227,7 @@ def make_train_step(
     return train_step
 
 
-def _forward(spec, params, batch, stochastic, num_steps, solver, max_steps, key):
+def _forward(spec, params, stochastic, batch, num_steps, solver, max_steps, key):
     """float32 logits of a further solve of ``params`` (a term's), its grid offset from
     ``key`` when the forward is stochastic."""
     options = {"max_steps": max_steps} if max_steps is not None else {}
@@ -271,8 +271,9 @@ def _step_flops(spec, params, batch, k, solve, chosen) -> jax.Array:
     total = accounting.flops_per_token(cfg, solve.num_steps, solver=solve.solver,
                                        **shape).training
     for term, choice in chosen:
-        for n, solver in term.extra_forwards(choice):
-            total = total + accounting.flops_per_token(cfg, n, solver=solver, **shape).training
+        for n, solver, rows in term.extra_forwards(choice):
+            total = total + rows * accounting.flops_per_token(cfg, n, solver=solver,
+                                                              **shape).training
     return jnp.asarray(total, jnp.float32)
 
 

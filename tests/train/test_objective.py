@@ -121,6 +121,9 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.Distillation(weight=0.0), "Distillation.weight"),
     (lambda: obj.Distillation(num_steps=(0,)), "Distillation.num_steps"),
     (lambda: obj.Distillation(share=0.0), "Distillation.share"),
+    (lambda: obj.Distillation(row_stride=0), "Distillation.row_stride"),
+    (lambda: obj.SolverLoss(row_stride=0), "SolverLoss.row_stride"),
+    (lambda: obj.SolverDistillation(row_stride=0), "SolverDistillation.row_stride"),
     (lambda: obj.SolverShare(share=1.5), "SolverShare.share"),
     (lambda: obj.SolverShare(solver="rk5"), "rk5"),
     (lambda: obj.SolverShare(num_steps=0), "SolverShare.num_steps"),
@@ -239,22 +242,26 @@ def test_the_step_is_deterministic_given_the_seed_and_logs_each_terms_draws():
     assert [r["loss"] for r in rows3] != [r["loss"] for r in rows]
 
 
-def _distilled_step(term, w: float, student: tuple[int, str]):
+def _distilled_step(term, w: float, student: tuple[int, str], stride: int = 1):
     """A step of Euler N=3 with ``term`` against the hand-written objective
-    CE(Euler N=3) + w·KL(stop_gradient(p_N=3) ‖ p_student): (the step's metrics, the KL of
-    the pre-update params, the main solve's CE, the reference gradients)."""
+    CE(Euler N=3) + w·KL(stop_gradient(p_N=3) ‖ p_student), the KL over rows 0, stride, …
+    per counted token of those rows: (the step's metrics, the KL of the pre-update params,
+    the main solve's CE, the reference gradients)."""
     spec = _spec(tiny_config())
     config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(3,)), term))
     state = state_lib.init_state(spec, 0)
     params = state["params"]
     batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-    run = lambda p, n, solver: spec.model(p)(batch["inputs"], batch["positions"],
-                                             batch["segment_ids"], num_steps=n, solver=solver)
-    tokens = float(jnp.sum(batch["loss_mask"]))
+    rows = {k: v[::stride] for k, v in batch.items()}
+    run = lambda p, n, solver, b=batch: spec.model(p)(b["inputs"], b["positions"],
+                                                      b["segment_ids"], num_steps=n,
+                                                      solver=solver)
+    tokens = float(jnp.sum(rows["loss_mask"]))
 
     def kl_to(p, teacher):
-        log_t = jax.nn.log_softmax(teacher)
-        return jnp.sum(jnp.exp(log_t) * (log_t - jax.nn.log_softmax(run(p, *student)))) / tokens
+        log_t = jax.nn.log_softmax(teacher[::stride])
+        log_s = jax.nn.log_softmax(run(p, *student, b=rows))
+        return jnp.sum(jnp.exp(log_t) * (log_t - log_s)) / tokens
 
     def objective(p):
         logits = run(p, 3, "euler")
@@ -324,6 +331,32 @@ def test_solver_distillation_pulls_the_second_solve_to_the_main_one():
     np.testing.assert_allclose(float(m["solver_distill_loss"]), float(kl), rtol=1e-5)
     np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
     np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("term", [
+    obj.Distillation(weight=0.7, num_steps=(1,), row_stride=2),
+    obj.SolverDistillation(weight=0.7, share=1.0, solver="rk4", num_steps=1, row_stride=4)])
+def test_a_row_stride_runs_the_second_solve_on_every_kth_row(term):
+    """With ``row_stride`` k the further solve sees rows 0, k, 2k, …: the term is the KL over
+    those rows per counted token of theirs, the gradient that of that objective."""
+    solver = "euler" if isinstance(term, obj.Distillation) else "rk4"
+    m, kl, ce, grads = _distilled_step(term, 0.7, (1, solver), stride=term.row_stride)
+    logged = m["distill_loss" if solver == "euler" else "solver_distill_loss"]
+    np.testing.assert_allclose(float(logged), float(kl), rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
+    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
+
+
+def test_a_row_stride_that_does_not_divide_the_microbatch_is_refused_in_one_line():
+    spec = _spec(tiny_config())
+    term = obj.SolverLoss(share=1.0, num_steps=1, row_stride=3)
+    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0),
+                                          step_lib.StepConfig(terms=(term,))))
+    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
+    with jax.set_mesh(spec.mesh), pytest.raises(
+            SettingError, match=r"SolverLoss.row_stride=3: the microbatch has 4 rows"):
+        fn(state_lib.init_state(spec, 0), batch)
 
 
 @pytest.mark.slow
@@ -413,7 +446,11 @@ def test_a_steps_flops_count_its_solvers_evaluations_and_reach_mfu():
              ((obj.Distillation(num_steps=(1,)),), count(None, None) + count(1, "euler")),
              ((obj.SolverLoss(share=1.0, num_steps=2),), count(None, None) + count(2, "rk4")),
              ((obj.SolverDistillation(share=1.0, num_steps=2),),
-              count(None, None) + count(2, "rk4"))]
+              count(None, None) + count(2, "rk4")),
+             ((obj.SolverDistillation(share=1.0, num_steps=2, row_stride=2),),  # half the rows
+              count(None, None) + count(2, "rk4") / 2),
+             ((obj.Distillation(num_steps=(1,), row_stride=4),),
+              count(None, None) + count(1, "euler") / 4)]
     with jax.set_mesh(spec.mesh):
         for terms, expected in cases:
             fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0),
