@@ -81,8 +81,9 @@ def render_recipe_cost(data: dict) -> str:
         elif r["variant"] == "default":
             step = f"**{step}**"
         programs = r.get("programs", 1)
+        name = r["variant"].removesuffix(".gin")
         lines.append(
-            f"| `{r['variant']}.gin` | {step} | {r['relative_cpu_time']:.3f} | "
+            f"| `{name}.gin` | {step} | {r['relative_cpu_time']:.3f} | "
             f"{r['flops_per_step'] / 1e9:.2f} | {r['compiled_peak_bytes'] / 2**20:.1f} MiB | "
             f"{programs} program{'s' if programs != 1 else ''}, {r['compile_s']:.1f} s |")
     return "\n".join(lines)

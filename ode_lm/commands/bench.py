@@ -4,6 +4,7 @@ writes every figure.
 
     ode-lm bench --config cpu_small --json bench.json
     ode-lm bench --config gpu_large --platform gpu     # on an accelerator
+    ode-lm bench --config tiny --sections=recipe --recipes=depth_robust,my_recipe.gin
 
 It times the trainer's own jitted train step (``ode_lm.training.step.jit_train_step``) on
 whatever ``jax.devices()`` gives (all of them on the FSDP axis). Benches compared with each
@@ -16,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+import pathlib
 import shlex
 import statistics
 import sys
@@ -27,6 +29,7 @@ from ode_lm.provenance import provenance
 SECTIONS = ("compare", "weight_gen", "remat", "dtype", "solver", "checkpoint", "recipe")
 DEFAULT_SECTIONS = SECTIONS[:-1]  # recipe: three more compiles, on request
 # section recipe: the training recipes' step cost, each read from configs/recipes/<name>.gin
+# (or a recipe file of one's own, --recipes); the first is the baseline of the ratios
 RECIPES = ("depth_robust", "default", "anytime", "solver_aware")
 RECIPE_MODEL_KNOBS = ("time_scale", "time_max_period", "random_grid_offset")
 PLATFORMS = ("auto", "cpu", "gpu", "tpu")
@@ -60,6 +63,9 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "ode-lm bench"
     p.add_argument("--checkpoint-dir", default=None, help="where the timed saves go (a tmp dir)")
     p.add_argument("--checkpoint-rounds", type=int, default=3,
                    help="checkpoint group: rounds of --steps steps per bench, in turn (>= 1)")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="recipe section: comma list of recipes to time, the first the baseline "
+                        "of the ratios; a name in configs/recipes/ or a path to a .gin file")
     args = p.parse_args(argv)
     _validate(p, args)
     if args.platform != "auto":  # before jax is imported
@@ -68,6 +74,14 @@ def parse_args(argv: Sequence[str] | None = None, prog: str = "ode-lm bench"
 
     if args.config not in CONFIGS:
         p.error(f"--config={args.config!r}: expected one of {sorted(CONFIGS)}")
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    if not recipes:
+        p.error(f"--recipes={args.recipes!r}: expected a comma list of recipes")
+    for recipe in recipes:
+        if not recipe_path(recipe).is_file():
+            p.error(f"--recipes={args.recipes!r}: {recipe!r} is neither a recipe in "
+                    f"configs/recipes/ nor a .gin file ({recipe_path(recipe)} not found)")
+    args.recipes = recipes
     return args
 
 
@@ -170,7 +184,7 @@ def run_bench(args: argparse.Namespace) -> dict:
         ], True))
 
     if "recipe" in args.sections:
-        recipes = {name: recipe_configs(name, base) for name in RECIPES}
+        recipes = {name: recipe_configs(name, base) for name in args.recipes}
         plan.append(("recipe", [(name, bu.TrainBench(f"recipe {name}", cfg, model, mesh,
                                                      step_config=step))
                                 for name, (model, step) in recipes.items()], False))
@@ -249,12 +263,21 @@ def run_bench(args: argparse.Namespace) -> dict:
     return results
 
 
+def recipe_path(name: str) -> pathlib.Path:
+    """A recipe's file: a path ending in .gin as given, else ``configs/recipes/<name>.gin``."""
+    from ode_lm.gin_setup import CONFIGS_DIR
+
+    if name.endswith(".gin"):
+        return pathlib.Path(name)
+    return CONFIGS_DIR / "recipes" / f"{name}.gin"
+
+
 def recipe_configs(name: str, base):
-    """(ModelConfig, StepConfig) of ``base`` trained with ``configs/recipes/<name>.gin``: the
-    recipe files own the values, the bench only reads them."""
+    """(ModelConfig, StepConfig) of ``base`` trained with the recipe file ``name`` names
+    (``recipe_path``): the recipe files own the values, the bench only reads them."""
     from ode_lm import gin_setup
 
-    path = gin_setup.CONFIGS_DIR / "recipes" / f"{name}.gin"
+    path = recipe_path(name).resolve()
     gin_setup.parse_gin(gin_setup.parse_flags([f"--gin_file={path}"]))
     try:
         bound = gin_setup.GinModelConfig()  # the recipe's knobs over the defaults
@@ -321,7 +344,8 @@ def _figure(value: float, value_cpu: float | None = None, **more) -> dict:
 
 
 def format_table(results: dict) -> str:
-    head = (f"{'group':<11} {'variant':<24} {'step ms':>9} {'tok/s':>8} {'rel':>6} "
+    w = max([24, *(len(r["variant"]) for rows in results["groups"].values() for r in rows)])
+    head = (f"{'group':<11} {'variant':<{w}} {'step ms':>9} {'tok/s':>8} {'rel':>6} "
             f"{'CPU ms':>8} {'rel':>6} {'MFU mm':>7} {'MFU cpu':>7} {'MFU acc':>7} "
             f"{'compile s':>9} {'peak MiB':>8} {'params M':>8} {'GFLOP/step':>10}")
     lines = ["", head, "-" * len(head)]
@@ -330,7 +354,7 @@ def format_table(results: dict) -> str:
             peak = r["compiled_peak_bytes"]
             stat = "*" if r["step_s_statistic"] == "mean" else " "
             lines.append(
-                f"{group:<11} {r['variant']:<24} {1e3 * r['step_s']:>8.1f}{stat} "
+                f"{group:<11} {r['variant']:<{w}} {1e3 * r['step_s']:>8.1f}{stat} "
                 f"{r['tokens_per_s']:>8.0f} {r['relative_step_time']:>6.3f} "
                 f"{1e3 * r['cpu_s']:>8.1f} {r['relative_cpu_time']:>6.3f} "
                 f"{100 * r['mfu_vs_matmul_peak']:>6.1f}% {100 * r['mfu_cpu_time']:>6.1f}% "
@@ -340,7 +364,7 @@ def format_table(results: dict) -> str:
     for r in results["groups"].get("checkpoint", []):
         if r.get("save_blocked_ms") is not None:
             lines.append(
-                f"checkpoint  {r['variant']:<24} loop blocked {r['save_blocked_ms']:.1f} ms per "
+                f"checkpoint  {r['variant']:<{w}} loop blocked {r['save_blocked_ms']:.1f} ms per "
                 f"save (median of {r['saves']}, max {r['save_blocked_ms_max']:.1f}): "
                 f"{100 * r['save_blocked_fraction_of_step']:.1f}% of a no-save step")
     lines.append("step ms: median wall time of the timed steps (* = mean, so periodic saves "

@@ -195,6 +195,9 @@ def test_paired_ratio_divides_out_drift():
     (["--platform", "quantum"], "--platform='quantum'"),
     (["--json", "/no/such/dir/out.json"], "--json='/no/such/dir/out.json'"),
     (["--checkpoint-rounds", "0"], "--checkpoint-rounds=0"),
+    (["--recipes", "depth_robust,nope"], "--recipes='depth_robust,nope': 'nope' is neither"),
+    (["--recipes", "/no/such/recipe.gin"], "/no/such/recipe.gin not found"),
+    (["--recipes", ","], "--recipes=','"),
 ])
 def test_bad_flags_name_the_flag(bench_cli, capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -322,3 +325,20 @@ def test_recipe_section_reads_each_recipe_from_its_gin_file():
     assert "recipe" not in bench.DEFAULT_SECTIONS
     with pytest.raises(ValueError):
         gin_setup.query("SolverShare.share")  # cleared after each read
+
+
+def test_recipe_section_times_a_recipe_file_of_ones_own(tmp_path):
+    """--recipes takes a path to a recipe file beside the named ones (its includes resolve
+    against configs/, as in a run's own gin file)."""
+    from ode_lm.commands import bench
+    from ode_lm.models import ModelConfig
+
+    mine = tmp_path / "mine.gin"
+    mine.write_text("include 'recipes/depth_robust.gin'\nAcceleration.weight = 0.5\n"
+                    "StepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Acceleration()]\n")
+    args = bench.parse_args(["--sections=recipe", f"--recipes=depth_robust,{mine}"])
+    assert args.recipes == ["depth_robust", str(mine)]
+    base = ModelConfig(vocab_size=64, d_model=32, num_heads=2, max_seq_len=16)
+    model, step = bench.recipe_configs(str(mine), base)
+    assert model.time_scale == 4.0
+    assert [(t.name, getattr(t, "weight", None)) for t in step.terms][-1] == ("acceleration", 0.5)
