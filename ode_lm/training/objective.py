@@ -77,9 +77,9 @@ class TermInputs:
 
     def every_kth_row(self, k: int, owner: str) -> TermInputs:
         """These inputs on rows 0, k, 2k, … of the microbatch, with the token count scaled
-        by 1/k, so a loss summed over them estimates the whole microbatch's. Strided, so
-        each batch shard keeps its own rows (no cross-device move). ``owner``: the
-        setting named when the rows do not divide by k."""
+        by 1/k, so a loss summed over them estimates the whole microbatch's. Strided, so a
+        batch shard whose row count divides by k keeps its own rows. ``owner``: the setting
+        named when the microbatch's rows do not divide by k."""
         if k == 1:
             return self
         rows = self.logits.shape[0]
