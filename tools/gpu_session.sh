@@ -47,7 +47,7 @@ REAL_RUN_GIN=(--gin.D_MODEL=768 --gin.NUM_HEADS=12 --gin.SEQ_LEN=1024 --gin.BATC
               "--gin.ModelConfig.dtype='bfloat16'" --gin.TRAIN_STEPS=100000
               --gin.TrainConfig.log_every=20 --gin.CheckpointConfig.save_every=1000)
 if (( DRY_RUN )); then
-  # budgets ~1.6x what an idle 2-core CPU takes, so a loaded host (a parallel test run)
+  # budgets ~1.6x what an idle small CPU host takes, so a loaded host (a parallel test run)
   # still finishes each step; the real run logs every step, as each of the recipe's
   # compiled variants compiles on its first draw
   TOTAL_BUDGET_S=480; INSTALL_S=5; ENV_S=30; SMOKE_S=60; ATTENTION_S=45; PARITY_S=90
