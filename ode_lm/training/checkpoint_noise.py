@@ -27,6 +27,9 @@ def _from_orbax(tb: Any) -> bool:
 
 # orbax writes a step under "<step>.orbax-checkpoint-tmp" until it is complete
 SAVE_IN_PROGRESS = ".orbax-checkpoint-tmp"
+# a read past the end of a truncated file of a saved step: the restore reports the step
+# as damaged in one line and falls back, while asyncio logs each unretrieved read future
+DAMAGED_READ = "is not valid for value of size"
 
 
 class _OrbaxSaveNoise(logging.Filter):
@@ -41,7 +44,7 @@ class _OrbaxSaveNoise(logging.Filter):
             return True
         _, exc, tb = record.exc_info
         return not (f"{os.sep}orbax{os.sep}" in record.pathname or _from_orbax(tb)
-                    or SAVE_IN_PROGRESS in str(exc))
+                    or SAVE_IN_PROGRESS in str(exc) or DAMAGED_READ in str(exc))
 
 
 def _closed_loop_noise(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -30,6 +30,16 @@ def test_an_unretrieved_write_into_a_save_in_progress_is_dropped(no_debug):
     assert not noise.filter(_record(exc))
 
 
+def test_an_unretrieved_read_of_a_truncated_saved_step_is_dropped(no_debug):
+    """The restore reports a truncated step as damaged in one line and falls back; the read
+    futures tensorstore failed are logged by asyncio when collected."""
+    noise = checkpoint_noise._OrbaxSaveNoise()
+    exc = ValueError('OUT_OF_RANGE: Error reading "params.embeddings.token/6.0" in OCDBT '
+                     'database at local file "/run/checkpoints/3/state/": Requested byte '
+                     "range [38400, 44544) is not valid for value of size 8")
+    assert not noise.filter(_record(exc))
+
+
 def test_other_errors_and_plain_records_are_kept(no_debug, monkeypatch):
     noise = checkpoint_noise._OrbaxSaveNoise()
     assert noise.filter(_record(ValueError("No space left on device: /data/train.bin")))
