@@ -45,8 +45,12 @@ class MainSolve:
     acceleration: bool = False  # the solve also integrates ∫ mean‖d²x/dt²‖² dt
 
     def options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {"acceleration": True} if self.acceleration else {}
-        return {**options, "max_steps": self.max_steps} if self.max_steps is not None else options
+        options: dict[str, Any] = {}
+        if self.acceleration:
+            options["acceleration"] = True
+        if self.max_steps is not None:
+            options["max_steps"] = self.max_steps
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
