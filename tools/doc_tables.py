@@ -64,7 +64,7 @@ def render_depth_gap(data: dict) -> str:
     """``ode-lm depth-gap table``'s markdown, without the load-bound tok/s column."""
     from ode_lm.commands.depth_gap import format_table
 
-    return format_table(data["runs"], speed=False)
+    return format_table(data["runs"], speed=False, summary=data.get("summary"))
 
 
 def render_recipe_cost(data: dict) -> str:

@@ -1,6 +1,6 @@
 """Depth gap of trained runs over training, read from their metrics files (no re-evaluation).
 
-  ode-lm depth-gap table NAME=DIR[@STEP] ... [--json=FILE]
+  ode-lm depth-gap table NAME=DIR[@STEP] ... [--baseline=GROUP] [--json=FILE]
   ode-lm depth-gap plot --out=FILE.png NAME=DIR ...
 
 Every in-loop eval of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) logs a
@@ -10,6 +10,10 @@ own solver and N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in Tenso
 bold, RK4 N=8, adaptive rtol 1e-3, tokens/s; its last eval, or the one at STEP); ``plot``
 draws the gap against the training step. ``table --json`` also writes the figures with
 their provenance: what tools/doc_tables.py regenerates the tables of docs/depth.md from.
+``table --baseline=GROUP`` compares recipes seed by seed: runs named ``GROUP, seed S`` form
+groups, and after the runs come each group's mean (its own N with the standard error over
+its seeds) and each other group's paired difference to GROUP (mean ± standard error over
+the seeds both have; ``analysis.seeds``).
 Each run's own solver and N are its ``model_config.json``'s, and every figure is looked up
 by its name (``training.metric_names``). A run with no
 eval yet, or whose evals measured only its own solver and N, is refused in one line (exit 1,
@@ -154,11 +158,45 @@ def run_provenance(run_dir: str) -> dict | None:
         return None
 
 
-def format_table(records: list[dict], speed: bool = True) -> str:
-    """Markdown: one row per record of ``table_data``. The N columns are each run's own
-    solver, named in the header when the runs share it, else after each name; ``speed``:
-    the tok/s column (the median logged throughput, which on a shared host measures the
-    load more than the run)."""
+def _mean_cell(cell: dict | None, own: bool) -> str:
+    """A group mean as ``_cell`` writes a run's figure; the own N with its standard error."""
+    if not own or cell is None or cell.get("se") is None:
+        return _cell(cell, own)
+    return f"**{cell['perplexity']:.1f} ± {cell['se']:.2f}**"
+
+
+def _paired_cell(cell: dict | None) -> str:
+    """``+0.69 ± 0.25 (+0.7 %)``: the mean paired difference, its standard error, and the
+    mean relative difference; a difference of 1000 or more without decimals or bracket."""
+    if cell is None:
+        return "–"
+    diff, se = cell["difference"], cell.get("se")
+    if abs(diff) >= 1000:
+        return f"{diff:+,.0f}"
+    text = f"{diff:+.2f}" + ("" if se is None else f" ± {se:.2f}")
+    return f"{text} ({100 * cell['relative']:+.1f} %)"
+
+
+def _summary_row(row: dict) -> list[str]:
+    """The N, RK4 and adaptive cells of a seed group's mean or paired-difference row."""
+    cells = row["cells"]
+    settings = [*map(str, NS), *SOLVES]
+    if row["kind"] == "paired":
+        return [_paired_cell(cells.get(s)) for s in settings]
+    out = [_mean_cell(cells.get(s), s == str(row["num_steps"])) for s in settings]
+    ada = cells.get(SOLVES[1])
+    if ada and ada.get("nfe") is not None and out[-1].endswith(")"):
+        out[-1] = f"{out[-1][:-1]}, {ada['nfe']:.0f})"
+    return out
+
+
+def format_table(records: list[dict], speed: bool = True,
+                 summary: list[dict] | None = None) -> str:
+    """Markdown: one row per record of ``table_data``, then the rows of ``summary`` (seed
+    groups' means and paired differences, ``analysis.seeds.summarise``). The N columns are
+    each run's own solver, named in the header when the runs share it, else after each
+    name; ``speed``: the tok/s column (the median logged throughput, which on a shared host
+    measures the load more than the run)."""
     solvers = {r["solver"] for r in records}
     own = f"{solver_label(solvers.pop())} " if len(solvers) == 1 else ""
     tail = " tok/s |" if speed else ""
@@ -179,12 +217,27 @@ def format_table(records: list[dict], speed: bool = True) -> str:
             row.append("–" if tok is None else f"{tok / 1e3:.2f}k")
         label = r["label"] if own else f"{r['label']} ({solver_label(r['solver'])})"
         lines.append(f"| {label} | {r['step']} | " + " | ".join(row) + " |")
+    for s in summary or ():
+        row = _summary_row(s) + (["–"] if speed else [])
+        step = "–" if s["step"] is None else s["step"]
+        lines.append(f"| *{s['label']}* | {step} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
-def table(runs: list[tuple[str, str, int | None]]) -> str:
-    """Markdown: one row per run (its last eval, or the named step)."""
-    return format_table(table_data(runs))
+def table(runs: list[tuple[str, str, int | None]], baseline: str | None = None) -> str:
+    """Markdown: one row per run (its last eval, or the named step), and with ``baseline``
+    the seed groups' means and paired differences to it."""
+    records = table_data(runs)
+    return format_table(records, summary=summary_rows(records, baseline))
+
+
+def summary_rows(records: list[dict], baseline: str | None) -> list[dict] | None:
+    """The seed-group rows of ``--baseline`` (None without one)."""
+    if baseline is None:
+        return None
+    from ode_lm.analysis.seeds import summarise
+
+    return summarise(records, baseline)
 
 
 def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
@@ -240,6 +293,9 @@ def build_parser(prog: str = "ode-lm depth-gap") -> argparse.ArgumentParser:
     p.add_argument("--out", help="plot: the PNG to write")
     p.add_argument("--json", default=None,
                    help="table: also write its figures and their provenance to this JSON file")
+    p.add_argument("--baseline", default=None, metavar="GROUP",
+                   help="table: runs are named 'GROUP, seed S'; add each group's mean and "
+                        "each other group's paired difference to GROUP")
     return p
 
 
@@ -250,19 +306,24 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> i
     args.argv = argv
     if args.what == "plot" and not args.out:
         parser.error("plot needs --out")
+    if args.what == "plot" and args.baseline is not None:
+        parser.error("--baseline is a table option (plot draws each run)")
     return cli.run_command(prog, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> int:
     if args.what == "table":
         records = table_data(args.runs)
-        print(format_table(records))
+        summary = summary_rows(records, args.baseline)
+        print(format_table(records, summary=summary))
         if args.json:
             from ode_lm.provenance import provenance
 
+            data = {"provenance": provenance(["depth-gap", *args.argv]), "runs": records}
+            if summary is not None:
+                data["summary"] = summary
             with open(args.json, "w") as f:
-                json.dump({"provenance": provenance(["depth-gap", *args.argv]),
-                           "runs": records}, f, indent=1)
+                json.dump(data, f, indent=1)
             print(f"wrote {args.json}")
     else:
         plot(args.runs, args.out)

@@ -100,3 +100,64 @@ def test_depth_gap_table_without_speed_shows_a_dash(tmp_path):
                                  "eval/perplexity@steps=2": 60.0}], num_steps=6)
     row = tool.table([("r", run, None)]).splitlines()[-1]
     assert row.endswith("| – |") and "nan" not in row
+
+
+def _seed_run(tmp_path, name, own, rk4, step=600) -> str:
+    return _write_run(tmp_path / name, [{"step": step, "eval/perplexity": own,
+                                         "eval/perplexity@steps=2": own * 1.1,
+                                         "eval/perplexity@rk4:steps=8": rk4}], num_steps=6)
+
+
+def test_depth_gap_table_compares_seed_groups_by_paired_difference(tmp_path, capsys):
+    """--baseline: each group's mean (its own N ± the standard error over seeds) and each
+    other group's mean per-seed difference to the baseline ± its standard error, over the
+    seeds both have; the JSON keeps the rows, and the docs render the same text from it."""
+    a = {"0": (100.0, 103.0), "1": (102.0, 104.0), "2": (101.0, 106.0)}
+    b = {"0": (99.0, 104.0), "1": (100.0, 105.0), "3": (98.0, 100.0)}
+    runs = [(f"new, seed {s}", _seed_run(tmp_path, f"a{s}", *v), None) for s, v in a.items()]
+    runs += [(f"old, seed {s}", _seed_run(tmp_path, f"b{s}", *v), None) for s, v in b.items()]
+    lines = tool.table(runs, baseline="old").splitlines()
+    assert len(lines) == 2 + 6 + 3
+    mean_new, mean_old, paired = (line.split(" | ") for line in lines[-3:])
+    assert mean_new[0] == "| *new, mean of 3*" and mean_new[6] == "**101.0 ± 0.58**"
+    assert mean_old[6] == "**99.0 ± 0.58**"  # se of (99, 100, 98): 1/√3
+    assert paired[0] == "| *new − old, paired over 2*"  # seeds 0 and 1 only
+    assert paired[6] == "+1.50 ± 0.50 (+1.5 %)"  # differences 1 and 2
+    assert paired[10] == "-1.00 ± 0.00 (-1.0 %)"  # RK4 N=8: -1 and -1
+    assert paired[3] == "+1.65 ± 0.55 (+1.5 %)"  # N=2: 1.1 × the N=6 differences
+    assert paired[2] == "–"  # N=1: measured by neither
+    out = tmp_path / "t.json"
+    args = [f"{name}={d}" for name, d, _ in runs]
+    assert tool.main(["table", *args, "--baseline=old", f"--json={out}"]) == 0
+    data = json.loads(out.read_text())
+    assert [r["kind"] for r in data["summary"]] == ["mean", "mean", "paired"]
+    assert data["summary"][2]["seeds"] == ["0", "1"]
+    from tools.doc_tables import render_depth_gap
+
+    assert render_depth_gap(data).splitlines()[-1] == " | ".join(paired[:-1]) + " |"
+    assert capsys.readouterr().out.splitlines()[:-1] == lines
+
+
+def test_depth_gap_baseline_refuses_unnamed_runs_an_unknown_group_and_twice_a_seed(
+        tmp_path, capsys):
+    """One line naming the run or the flag's value, exit 1 (2 for plot --baseline)."""
+    run = _seed_run(tmp_path, "r", 100.0, 103.0)
+    cases = [
+        ([f"new s0={run}", f"old, seed 0={run}"], "'new s0': a run compared by seed is named "
+         "'GROUP, seed S'"),
+        ([f"new, seed 0={run}"], "--baseline='old': no run named 'old, seed S' (groups: new)"),
+        ([f"old, seed 0={run}", f"old, seed 0={run}"], "'old, seed 0': seed 0 of 'old' is "
+         "given twice"),
+        ([f"new, seed 1={run}", f"old, seed 0={run}"], "'new' and the baseline 'old' share no "
+         "seed"),
+    ]
+    for runs, why in cases:
+        assert tool.main(["table", *runs, "--baseline=old"]) == 1, runs
+        captured = capsys.readouterr()
+        assert captured.err.startswith(f"ode-lm depth-gap: error: {why}"), captured.err
+        assert len(captured.err.strip().splitlines()) == 1 and not captured.out
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(["plot", f"--out={tmp_path / 'g.png'}", f"old, seed 0={run}",
+                   "--baseline=old"])
+    assert exit_info.value.code == 2
+    assert "--baseline is a table option" in capsys.readouterr().err
