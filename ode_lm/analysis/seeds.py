@@ -27,14 +27,19 @@ def group_of(label: str) -> tuple[str, str]:
 
 
 def seed_groups(records: list[dict]) -> dict[str, dict[str, dict]]:
-    """group → seed → record, in the order the runs were given; a seed twice in one group is
-    refused (it would be counted twice)."""
+    """group → seed → record, in the order the runs were given. Refused: a seed twice in one
+    group (it would be counted twice), and runs of different solvers (a column's N is each
+    run's own solver, so their figures would not be the same setting)."""
     groups: dict[str, dict[str, dict]] = {}
     for record in records:
         group, seed = group_of(record["label"])
         if seed in groups.setdefault(group, {}):
             raise ValueError(f"{record['label']!r}: seed {seed} of {group!r} is given twice")
         groups[group][seed] = record
+    solvers = {r["solver"] for r in records}
+    if len(solvers) > 1:
+        raise ValueError(f"runs of different solvers ({', '.join(sorted(solvers))}) are not "
+                         "compared by seed: their N columns are different solves")
     return groups
 
 

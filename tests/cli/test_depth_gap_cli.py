@@ -142,6 +142,9 @@ def test_depth_gap_baseline_refuses_unnamed_runs_an_unknown_group_and_twice_a_se
         tmp_path, capsys):
     """One line naming the run or the flag's value, exit 1 (2 for plot --baseline)."""
     run = _seed_run(tmp_path, "r", 100.0, 103.0)
+    rk4 = _write_run(tmp_path / "rk4", [{"step": 600, "eval/perplexity": 99.0,
+                                         "eval/perplexity@steps=4": 98.0}], num_steps=2,
+                     solver="rk4")
     cases = [
         ([f"new s0={run}", f"old, seed 0={run}"], "'new s0': a run compared by seed is named "
          "'GROUP, seed S'"),
@@ -150,6 +153,8 @@ def test_depth_gap_baseline_refuses_unnamed_runs_an_unknown_group_and_twice_a_se
          "given twice"),
         ([f"new, seed 1={run}", f"old, seed 0={run}"], "'new' and the baseline 'old' share no "
          "seed"),
+        ([f"new, seed 0={rk4}", f"old, seed 0={run}"], "runs of different solvers (euler, rk4) "
+         "are not compared by seed"),
     ]
     for runs, why in cases:
         assert tool.main(["table", *runs, "--baseline=old"]) == 1, runs
