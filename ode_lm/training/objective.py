@@ -99,6 +99,7 @@ class TermInputs:
 
 
 Choice = Hashable
+BLOCK_STREAM = 0x424C4B53  # the order of a block's strata ("BLKS")
 
 
 class Term:
@@ -127,11 +128,26 @@ class Term:
         differentiates: its FLOPs."""
         return ()
 
+    block_steps = 1  # a term with a drawn share may set it per instance (a dataclass field)
+
     def _uniform(self, seed: int, step: int) -> float:
-        """A float in [0, 1) from (seed, this term's name, step): the host draw."""
+        """A float in [0, 1) from (seed, this term's name, step): the host draw.
+
+        With ``block_steps = k > 1`` the draws are stratified over each block of k steps:
+        the block's k floats fall one in each of [0, 1/k), [1/k, 2/k), ... in an order drawn
+        from (seed, block). Each is still uniform, so a step is drawn with probability
+        ``share``, but a block holds share·k drawn steps (rounded either way) rather than a
+        binomial count: no stretch of training goes without its share."""
         stream = zlib.crc32(self.name.encode())
         seq = np.random.SeedSequence([seed % 2**32, stream, step])
-        return float(np.random.default_rng(seq).random())
+        jitter = float(np.random.default_rng(seq).random())
+        k = self.block_steps
+        if k == 1:
+            return jitter
+        block, position = divmod(step, k)
+        order = np.random.SeedSequence([seed % 2**32, stream, block, BLOCK_STREAM])
+        stratum = int(np.random.default_rng(order).permutation(k)[position])
+        return (stratum + jitter) / k
 
 
 def draw(key: jax.Array, choices: Sequence[int], weights: Sequence[float] = ()) -> jax.Array:
@@ -256,6 +272,7 @@ class Distillation(Term):
     num_steps: tuple[int, ...] = (2, 3)
     share: float = 1.0
     row_stride: int = 1  # the coarse solve runs on every k-th row: 1/k of its cost
+    block_steps: int = 1  # > 1: the share drawn evenly over blocks of this many steps
     name: ClassVar[str] = "distillation"
 
     def __post_init__(self):
@@ -263,7 +280,7 @@ class Distillation(Term):
         _positive_ints(self, "num_steps")
         require_positive(self, "weight")
         _share(self)
-        require_at_least(self, 1, "row_stride")
+        require_at_least(self, 1, "row_stride", "block_steps")
 
     def variants(self):
         return (True,) if self.share >= 1 else (False, True)
@@ -300,6 +317,7 @@ class SolverShare(Term):
     num_steps: int = 2
     final: float | None = None
     ramp_steps: int = 0
+    block_steps: int = 1  # > 1: the share drawn evenly over blocks of this many steps
     name: ClassVar[str] = "solver_share"
 
     def __post_init__(self):
@@ -310,7 +328,7 @@ class SolverShare(Term):
         require(self, "ramp_steps", self.final is None or self.ramp_steps >= 1,
                 "must be >= 1 when SolverShare.final is set")
         require_one_of(self, "solver", SOLVERS)
-        require_at_least(self, 1, "num_steps")
+        require_at_least(self, 1, "num_steps", "block_steps")
 
     def share_at(self, step: int) -> float:
         """The share of steps drawn at ``step`` (host side)."""
@@ -348,13 +366,14 @@ class _SecondSolve(Term):
     solver: str = "rk4"
     num_steps: int = 2
     row_stride: int = 1  # the second solve runs on every k-th row: 1/k of its cost
+    block_steps: int = 1  # > 1: the share drawn evenly over blocks of this many steps
 
     def __post_init__(self):
         check_types(self)
         require_positive(self, "weight")
         _share(self)
         require_one_of(self, "solver", SOLVERS)
-        require_at_least(self, 1, "num_steps", "row_stride")
+        require_at_least(self, 1, "num_steps", "row_stride", "block_steps")
 
     def variants(self):
         return (False, True) if self.share < 1 else (True,)

@@ -89,13 +89,14 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
     RandomSteps: {"choices": "(0, 2)", "weights": "(1.0,)"},
     KineticEnergy: {"weight": "-1.0", "final": "-1.0", "ramp_steps": "-1"},
     Acceleration: {"weight": "-1.0"},
-    Distillation: {"weight": "0.0", "num_steps": "(0,)", "share": "0.0", "row_stride": "0"},
+    Distillation: {"weight": "0.0", "num_steps": "(0,)", "share": "0.0", "row_stride": "0",
+                   "block_steps": "0"},
     SolverShare: {"share": "1.5", "solver": "'rk5'", "num_steps": "0", "final": "1.5",
-                  "ramp_steps": "-1"},
+                  "ramp_steps": "-1", "block_steps": "0"},
     SolverLoss: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0",
-                 "row_stride": "0"},
+                 "row_stride": "0", "block_steps": "0"},
     SolverDistillation: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0",
-                         "row_stride": "0"},
+                         "row_stride": "0", "block_steps": "0"},
 }
 # every term listed, so each term class is built from its bindings
 TERMS_GIN = ("\nStepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Acceleration(), "

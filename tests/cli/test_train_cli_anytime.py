@@ -1,8 +1,8 @@
 """Exact resume after SIGKILL and the TensorBoard scalars with every term of the objective
 on (weighted random N, kinetic energy, acceleration, self-distillation, a solver share and
-distillation into a second solver, each of the last three on a drawn share of the steps, so
-the host picks a compiled variant per step): the subprocess harness of train_cli_helpers with these
-bindings added."""
+distillation into a second solver, each of the last three on a drawn share of the steps,
+the distillation's stratified over blocks of steps, so the host picks a compiled variant
+per step): the subprocess harness of train_cli_helpers with these bindings added."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ RandomSteps.weights = (2.0, 1.0, 1.0)
 Distillation.weight = 0.5
 Distillation.num_steps = (1,)
 Distillation.share = 0.5
+Distillation.block_steps = 4
 SolverShare.share = 0.5
 SolverShare.solver = 'midpoint'
 SolverShare.num_steps = 1
@@ -49,7 +50,8 @@ def test_anytime_terms_and_draws_reach_tensorboard(reference):
     from ode_lm.training.objective import Distillation, SolverDistillation, SolverShare
 
     seed = 0  # TrainConfig.seed of the micro run
-    distilled = [s for s in range(2 * cli.K) if Distillation(share=0.5).choose(seed, s)]
+    distill = Distillation(share=0.5, block_steps=4)
+    distilled = [s for s in range(2 * cli.K) if distill.choose(seed, s)]
     shared = [float(SolverShare(share=0.5).choose(seed, s)) for s in range(2 * cli.K)]
     pulled = [s for s in range(2 * cli.K) if SolverDistillation(share=0.5).choose(seed, s)]
     # log_every = 1: a row per step; a term's metrics on the steps its host draw picked

@@ -87,6 +87,34 @@ def test_a_ramped_share_draws_each_step_at_its_share_and_holds_after_the_ramp():
     assert [term.choose(3, s) for s in range(50)] == [term.choose(3, s) for s in range(50)]
 
 
+@pytest.mark.parametrize("make", [obj.Distillation, obj.SolverShare, obj.SolverLoss,
+                                  obj.SolverDistillation])
+def test_block_draws_hold_the_share_in_every_block_and_stay_uniform(make):
+    iid, blocked = make(share=0.25), make(share=0.25, block_steps=20)
+    # one step leaves the i.i.d. draw as it was: the setting changes no existing run
+    assert [make(share=0.25, block_steps=1).choose(5, s) for s in range(200)] == \
+        [iid.choose(5, s) for s in range(200)]
+    draws = [blocked.choose(0, s) for s in range(4000)]
+    assert draws == [blocked.choose(0, s) for s in range(4000)]  # a pure function
+    assert draws != [blocked.choose(1, s) for s in range(4000)]  # the seed matters
+    # 0.25 * 20: exactly five drawn steps in every block of 20 (i.i.d. draws vary)
+    assert {sum(draws[b:b + 20]) for b in range(0, 4000, 20)} == {5}
+    assert len({sum(iid.choose(0, s) for s in range(b, b + 20)) for b in range(0, 4000, 20)}) > 1
+    # each step's own float is uniform: every position of a block is drawn at the share
+    # (binomial std at n = 200 blocks, p = 0.25 is 0.031: 5 sigma)
+    at = np.mean([[blocked.choose(seed, b + i) for i in range(20)]
+                  for seed in range(10) for b in range(0, 400, 20)], axis=0)
+    assert np.all(np.abs(at - 0.25) < 0.16)
+
+
+def test_a_ramped_share_with_blocks_draws_its_share_in_each_block():
+    term = obj.SolverShare(share=0.05, final=0.25, ramp_steps=600, block_steps=20)
+    counts = [sum(term.choose(0, s) for s in range(b, b + 20)) for b in range(0, 1200, 20)]
+    expected = [sum(term.share_at(s) for s in range(b, b + 20)) for b in range(0, 1200, 20)]
+    assert all(abs(c - e) <= 2 for c, e in zip(counts, expected, strict=True))
+    assert counts[-10:] == [5] * 10  # held at the final share
+
+
 def test_terms_draw_independently_of_each_other():
     a, b = obj.Distillation(share=0.5), obj.SolverShare(share=0.5)
     both = np.mean([a.choose(0, s) and b.choose(0, s) for s in range(4000)])
@@ -122,6 +150,9 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.Distillation(num_steps=(0,)), "Distillation.num_steps"),
     (lambda: obj.Distillation(share=0.0), "Distillation.share"),
     (lambda: obj.Distillation(row_stride=0), "Distillation.row_stride"),
+    (lambda: obj.Distillation(block_steps=0), "Distillation.block_steps"),
+    (lambda: obj.SolverShare(block_steps=0), "SolverShare.block_steps"),
+    (lambda: obj.SolverLoss(block_steps=-1), "SolverLoss.block_steps"),
     (lambda: obj.SolverLoss(row_stride=0), "SolverLoss.row_stride"),
     (lambda: obj.SolverDistillation(row_stride=0), "SolverDistillation.row_stride"),
     (lambda: obj.SolverShare(share=1.5), "SolverShare.share"),
