@@ -106,6 +106,7 @@ class Term:
     """One ingredient of the objective; the base draws nothing and adds nothing."""
 
     name: ClassVar[str] = "term"
+    block_steps = 1  # a term with a drawn share may set it per instance (a dataclass field)
 
     def variants(self) -> tuple[Choice, ...]:
         """Every value ``choose`` can return: one compiled variant each."""
@@ -127,8 +128,6 @@ class Term:
         """(N, solver, share of the rows) of each further solve ``loss`` runs and
         differentiates: its FLOPs."""
         return ()
-
-    block_steps = 1  # a term with a drawn share may set it per instance (a dataclass field)
 
     def _uniform(self, seed: int, step: int) -> float:
         """A float in [0, 1) from (seed, this term's name, step): the host draw.
