@@ -47,4 +47,6 @@ COMMANDS: dict[str, Command] = {
                               "FLOPs per step count, with power-law fits"),
     "finetune-table": Command("ode_lm.commands.finetune_table", "the adaptive-depth table: "
                               "pretrain, fine-tune at each M, perplexities"),
+    "reproduce": Command("ode_lm.commands.reproduce", "the paper's findings as claims: runs, "
+                         "one statistic per seed, a verdict each"),
 }

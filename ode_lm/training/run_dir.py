@@ -222,6 +222,11 @@ class RunDir:
         path = self.file(FINETUNE_RESULT)
         return _read_json(path) if os.path.exists(path) else None
 
+    def summary(self) -> dict[str, Any] | None:
+        """``summary.json`` of a finished ``ode-lm train``; None before one finished."""
+        path = self.file(SUMMARY)
+        return _read_json(path) if os.path.exists(path) else None
+
     def _legacy_data_values(self) -> dict[str, Any] | None:
         """Literal ``DataConfig.*`` bindings of an old run's ``config.gin`` (macros followed)."""
         path = self.file(CONFIG_GIN)
