@@ -8,6 +8,7 @@ date, machine: ``ode_lm.provenance``):
     demo_depth   ode-lm train --gin_file=configs/runs/demo.gin  (MODEL_DIR/summary.json)
     depth_*      ode-lm depth-gap table NAME=DIR ... --json=FILE
     recipe_cost  ode-lm bench --config tiny --sections=recipe --json=FILE
+    claims_*     ode-lm reproduce ... --json=FILE
 
     python tools/doc_tables.py --write                 # rewrite every page from the JSON
     python tools/doc_tables.py --check                 # exit 1 naming each page and table
@@ -89,15 +90,24 @@ def render_recipe_cost(data: dict) -> str:
     return "\n".join(lines)
 
 
+def render_claims(data: dict) -> str:
+    """``ode-lm reproduce``'s verdict table (its claims.json)."""
+    from ode_lm.claims.report import format_table
+
+    return format_table(data)
+
+
 def renderer(name: str) -> Callable[[dict], str]:
     """Which command's JSON a table name holds: ``demo_*`` a train summary, ``depth_*`` a
-    depth-gap table, ``recipe_cost`` a bench."""
+    depth-gap table, ``recipe_cost`` a bench, ``claims_*`` a reproduce suite."""
     if name.startswith("demo_"):
         return render_demo
     if name.startswith("depth_"):
         return render_depth_gap
     if name == "recipe_cost":
         return render_recipe_cost
+    if name.startswith("claims_"):
+        return render_claims
     raise KeyError(f"no renderer for table {name!r}")
 
 

@@ -6,6 +6,7 @@ table, the one the docs' claims page is generated from (``tools/doc_tables.py``)
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,3 +67,39 @@ def format_table(data: dict) -> str:
         lines.append(f"| `{row['id']}` | {row['statistic']} | "
                      f"{threshold_text(row['threshold'])} | {vals} | **{row['verdict']}** |")
     return "\n".join(lines)
+
+
+def evidence_lines(data: dict) -> list[str]:
+    """Per claim: the paper's statement and every seed's evidence, as markdown."""
+    lines = []
+    for row in data["claims"]:
+        lines += ["", f"### `{row['id']}`: {row['verdict']}", "", f"Paper: {row['paper']}.",
+                  "", f"Statistic: {row['statistic']}; threshold "
+                  f"{threshold_text(row['threshold'])}.", ""]
+        keys = [k for k in row["evidence"][0] if k != "seed"] if row["evidence"] else []
+        if keys:
+            lines += ["| seed | " + " | ".join(keys) + " |",
+                      "| ---: |" + " ---: |" * len(keys)]
+            for ev in row["evidence"]:
+                lines.append(f"| {ev['seed']} | " + " | ".join(_cell(ev.get(k)) for k in keys)
+                             + " |")
+    return lines
+
+
+def _cell(x) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return "–" if x is None else str(x)
+
+
+def write_page(data: dict, path: str, figures: list[str]) -> str:
+    """The suite's report page: verdict table, figures, then each claim's evidence."""
+    prov = data.get("provenance", {})
+    head = [f"# Claims on {data['corpus']} ({data['scale']}, seeds {data['seeds']})", "",
+            f"`{prov.get('command', 'ode-lm reproduce')}`; commit "
+            f"{str(prov.get('commit'))[:10]}, {str(prov.get('date', ''))[:10]}.", "",
+            format_table(data), ""]
+    head += [f"![{os.path.basename(f)}]({os.path.basename(f)})" for f in figures]
+    with open(path, "w") as f:
+        f.write("\n".join(head + evidence_lines(data)) + "\n")
+    return path

@@ -16,6 +16,7 @@ from typing import Any
 from ode_lm.claims import statistics as stats
 from ode_lm.claims.runs import Runs, RunSpec
 from ode_lm.claims.verdict import Threshold
+from ode_lm.training.metric_names import PERPLEXITY, name
 
 RUN = "runs/demo.gin"  # the demo: tiny, the default recipe, its depth sweep in the final eval
 BASELINE = "runs/baseline_demo.gin"  # the same width, data and schedule, six discrete layers
@@ -26,12 +27,11 @@ OWN_N = 6  # the demo's ODE_STEPS: every ODE run's own N
 FINETUNE_DEPTHS = (3, 12)
 FINETUNE_METHODS = ("full", "lora")
 NO_SWEEP = ("TrainConfig.eval_num_steps = ()", "TrainConfig.eval_solves = ()")
-PPL = "eval/perplexity"
 
 
 def ppl(record: dict, setting: str = "") -> float:
     """A run's validation perplexity at its own solve (``""``) or at ``@steps=N`` etc."""
-    return float(record["eval"][PPL + setting])
+    return float(record["eval"][name(PERPLEXITY, setting)])
 
 
 def pct(a: float, b: float) -> float:
@@ -45,9 +45,9 @@ class Context:
     data_files: tuple[str, ...] = ()  # the corpus (nothing: the built-in one)
     scale_files: tuple[str, ...] = ("claims/tiny.gin",)
 
-    def _spec(self, name: str, files: list[str], bindings: list[str], seed: int,
+    def _spec(self, label: str, files: list[str], bindings: list[str], seed: int,
               **kw: Any) -> RunSpec:
-        return RunSpec(name, (*files, *self.data_files, *self.scale_files), tuple(bindings),
+        return RunSpec(label, (*files, *self.data_files, *self.scale_files), tuple(bindings),
                        seed, **kw)
 
     def ode(self, recipe: str, seed: int) -> dict:
@@ -69,8 +69,8 @@ class Context:
         bindings = [f"ModelConfig.architecture = '{arch}'"]
         if steps is not None:
             bindings.append(f"TRAIN_STEPS = {steps}")
-        name = f"{arch}" + (f"-{steps}steps" if steps is not None else "")
-        return self._spec(name, [BASELINE], bindings, seed)
+        label = arch + (f"-{steps}steps" if steps is not None else "")
+        return self._spec(label, [BASELINE], bindings, seed)
 
     def equal_flops_baseline(self, arch: str, seed: int) -> tuple[dict, int]:
         """The baseline trained for the steps whose FLOPs equal the default ODE's (the

@@ -102,8 +102,9 @@ def run(args: argparse.Namespace, bindings: list[str]) -> int:
         for c in args.chosen:
             print(f"{c.id}: {c.statistic} ({c.threshold})")
         return 0
+    from ode_lm.claims.figures import finetune_figure, spectra_figure
     from ode_lm.claims.io import write_json
-    from ode_lm.claims.report import evaluate, verdict_line
+    from ode_lm.claims.report import evaluate, verdict_line, write_page
     from ode_lm.claims.runs import Runs, RunSpec
     from ode_lm.claims.suite import Context
     from ode_lm.provenance import provenance
@@ -131,12 +132,16 @@ def run(args: argparse.Namespace, bindings: list[str]) -> int:
     write_json(out, data)
     if args.json:
         write_json(args.json, data)
+    figures = [f for f in (
+        spectra_figure(runs.records, os.path.join(work_dir, f"claims_spectra_{corpus}.png")),
+        finetune_figure(data, os.path.join(work_dir, f"claims_finetune_{corpus}.png"))) if f]
+    page = write_page(data, os.path.join(work_dir, "claims.md"), figures)
     counts = {}
     for r in rows:
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
     print(f"{len(rows)} claims on {corpus}, seeds {args.seeds}: "
           + ", ".join(f"{n} {v}" for v, n in counts.items())
-          + f" ({len(runs.trained)} runs trained, {time.time() - t0:.0f}s) -> {out}")
+          + f" ({len(runs.trained)} runs trained, {time.time() - t0:.0f}s) -> {out}, {page}")
     return 0
 
 
