@@ -18,11 +18,12 @@ import json
 import os
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ode_lm.claims.io import read_json, write_json
-from ode_lm.models.accounting import config_param_count
-from ode_lm.training.run_dir import RunDir
+
+if TYPE_CHECKING:
+    from ode_lm.training.run_dir import RunDir
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs")
@@ -143,6 +144,8 @@ def seed_bindings(seed: int) -> list[str]:
 def train_in_process(spec: RunSpec, model_dir: str, extra: list[str]) -> dict[str, Any]:
     """Train (or resume) ``spec`` in this process through the gin entries."""
     from ode_lm import gin_setup
+    from ode_lm.models.accounting import config_param_count
+    from ode_lm.training.run_dir import RunDir
 
     gin_setup.parse_gin(gin_setup.GinFlags(
         files=[config_path(f) for f in spec.files],

@@ -22,34 +22,19 @@ import hashlib
 import json
 import math
 import os
-import re
 import time
 from collections.abc import Sequence
 
 from ode_lm import cli
+from ode_lm.claims.runs import CONFIGS, gin_text
 from ode_lm.errors import UsageError
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "configs")
 PRETRAIN_GIN = os.path.join(CONFIGS, "finetune", "pretrain_demo.gin")
 FINETUNE_GIN = os.path.join(CONFIGS, "finetune", "demo.gin")
 ROOT = "/tmp/ode_lm/runs/ft_demo"
 METHODS = ("full", "lora")
-_INCLUDE = re.compile(r"^\s*include\s+['\"]([^'\"]+)['\"]", re.M)
-
-
-def gin_text(path: str) -> str:
-    """A gin file's text followed by that of the files its ``include`` lines name (looked up
-    beside it, then in configs/): what the settings hash covers."""
-    text = open(path).read()
-    parts = [text]
-    for inc in _INCLUDE.findall(text):
-        found = next((p for p in (os.path.join(os.path.dirname(path), inc),
-                                  os.path.join(CONFIGS, inc)) if os.path.exists(p)), None)
-        parts.append(gin_text(found) if found else inc)
-    return "\n".join(parts)
 
 
 def settings_key(prefix: str, steps: int, *gin_files: str) -> str:
