@@ -1,0 +1,101 @@
+"""Self-speculative decoding: greedy output is plain greedy decoding's at the verifier's solve
+(every k, draft N, and rollback length, a draft that is always rejected included), and the
+sampling rule's output is distributed as the verifier's distribution."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from model_helpers import LIVELY, tiny_model
+
+from ode_lm.errors import UsageError
+from ode_lm.generation import generate
+from ode_lm.speculative import accept, parse_solve, speculative_generate
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [11, 3, 9]]  # different lengths: per-row acceptance
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(LIVELY, vocab_size=61, num_steps=4)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return generate(model, PROMPTS, max_new_tokens=10, num_steps=4, solver="euler")
+
+
+@pytest.mark.parametrize("k, draft", [(1, 1), (3, 2), (4, 1), (2, 3)])
+def test_greedy_is_plain_greedy_at_the_verifier(model, plain, k, draft):
+    out, stats = speculative_generate(model, PROMPTS, draft=(draft, "euler"),
+                                      verify=(4, "euler"), draft_tokens=k, max_new_tokens=10)
+    np.testing.assert_array_equal(out, plain)
+    assert 0.0 <= stats.acceptance_rate <= 1.0
+    assert 1.0 <= stats.tokens_per_round <= k + 1
+    assert (stats.rounds >= np.ceil((10 - 1) / (k + 1))).all()  # k+1 tokens a round at most
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", [0, 1, 2, 3])
+def test_every_rollback_length_gives_the_same_tokens(model, plain, cap):
+    """Accepting at most ``cap`` proposals a round rolls both caches back at that length
+    (0: a draft that is always rejected, one token a round)."""
+    out, stats = speculative_generate(model, PROMPTS, draft=(2, "euler"), verify=(4, "euler"),
+                                      draft_tokens=3, max_new_tokens=10, accept_cap=cap)
+    np.testing.assert_array_equal(out, plain)
+    assert (stats.accepted <= cap * stats.rounds).all()
+    if cap == 0:
+        assert stats.acceptance_rate == 0.0 and (stats.rounds == 9).all()
+
+
+@pytest.mark.slow
+def test_a_verifier_with_another_solver(model):
+    ref = generate(model, PROMPTS, max_new_tokens=6, num_steps=2, solver="rk4")
+    out, _ = speculative_generate(model, PROMPTS, draft=(1, "euler"), verify=(2, "rk4"),
+                                  draft_tokens=2, max_new_tokens=6)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_greedy_acceptance_counts():
+    draft = jnp.array([2, 0, 1])
+    target = jnp.array([2, 0, 3, 1])  # the verifier's argmax at each of the k + 1 positions
+    p = jax.nn.one_hot(target, 4) * 5.0
+    a, c = accept(draft, None, p, jax.random.key(0), 0.0)
+    assert (int(a), int(c)) == (2, 3)  # d1, d2 accepted; d3 replaced by the verifier's 3
+    a, c = accept(jnp.array([2, 0, 3]), None, p, jax.random.key(0), 0.0)
+    assert (int(a), int(c)) == (3, 1)  # all accepted, the bonus token follows
+
+
+def test_sampling_rule_gives_the_verifiers_distribution():
+    """Draws d ~ q, accepted by min(1, p/q), else a draw from norm(max(0, p - q)): the first
+    token must be distributed as p₀, the second (given the first was accepted) as p₁."""
+    q = jnp.array([[0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25]])
+    p = jnp.array([[0.1, 0.2, 0.3, 0.4], [0.5, 0.1, 0.1, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    n = 40_000
+
+    def one(key):
+        k_d, k_a = jax.random.split(key)
+        d = jax.random.categorical(k_d, jnp.log(q), axis=-1).astype(jnp.int32)
+        a, c = accept(d, q, p, k_a, 1.0)
+        first = jnp.where(a >= 1, d[0], c)
+        second = jnp.where(a >= 2, d[1], c)
+        return first, second, a
+
+    first, second, a = (np.asarray(x) for x in jax.vmap(one)(jax.random.split(
+        jax.random.key(0), n)))
+    for tokens, want in ((first, p[0]), (second[a >= 1], p[1])):
+        freq = np.bincount(tokens, minlength=4) / len(tokens)
+        sigma = np.sqrt(np.asarray(want) * (1 - np.asarray(want)) / len(tokens))
+        assert np.all(np.abs(freq - want) < 5 * sigma), (freq, want)  # 5σ: a flake in 1e6
+
+
+def test_bad_inputs(model):
+    with pytest.raises(UsageError, match="--draft=adaptive:2"):
+        parse_solve("adaptive:2", "--draft")
+    with pytest.raises(UsageError, match="--draft=euler: expected SOLVER:STEPS"):
+        parse_solve("euler", "--draft")
+    assert parse_solve("rk4:3", "--draft") == (3, "rk4")
+    with pytest.raises(UsageError, match="--draft_tokens=0"):
+        speculative_generate(model, PROMPTS, draft=(1, "euler"), draft_tokens=0)
