@@ -264,3 +264,65 @@ def speculative_generate(
         vocab_limit=vocab_limit, accept_cap=accept_cap)
     return np.asarray(out), SpeculativeStats(np.asarray(rounds), np.asarray(accepted),
                                              draft_tokens)
+
+
+AUTO_DRAFT_STEPS = (1, 2, 3)
+AUTO_DRAFT_TOKENS = tuple(range(2, 9))
+AUTO_BATCHES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftChoice:
+    draft: tuple[int, str]
+    draft_tokens: int
+    agreement: dict[int, float]  # draft N → greedy agreement with the verifier
+    speedup: float  # predicted
+
+    def text(self) -> str:
+        agree = ", ".join(f"N={n}: {100 * a:.0f}%" for n, a in self.agreement.items())
+        return (f"--draft=auto: euler:{self.draft[0]} x {self.draft_tokens} (agreement with "
+                f"the verifier on validation text {agree}; predicted {self.speedup:.2f}x)")
+
+
+def predicted_speedup(agreement: float, k: int, draft_cost: float) -> float:
+    """Tokens per verifier forward, (1 − αᵏ⁺¹)/(1 − α) for per-token agreement α, over the
+    round's cost in verifier forwards (k drafts at ``draft_cost`` each, one verify)."""
+    a = min(agreement, 1 - 1e-9)
+    return (1 - a ** (k + 1)) / (1 - a) / (k * draft_cost + 1)
+
+
+def auto_draft(model: nnx.Module, model_dir: str, verify: tuple[int, str]) -> DraftChoice:
+    """The draft N (Euler) and k with the best predicted speed-up: greedy agreement of each
+    draft solve with the verifier on the run's first validation batches (teacher forced),
+    and a cost of NFE per forward."""
+    from ode_lm import data as data_lib
+    from ode_lm.models.solvers import num_stages
+    from ode_lm.training.run_dir import RunDir
+
+    config = RunDir(model_dir).data_config()
+    if config is None:
+        raise UsageError(f"--draft=auto: {model_dir} names no validation data")
+
+    @nnx.jit(static_argnames=("num_steps", "solver"))
+    def argmax(m, batch, num_steps, solver):
+        logits = m(batch["inputs"], batch["positions"], batch["segment_ids"],
+                   num_steps=num_steps, solver=solver)
+        return jnp.argmax(logits, axis=-1)
+
+    same = dict.fromkeys(AUTO_DRAFT_STEPS, 0.0)
+    count = 0.0
+    for i, batch in enumerate(data_lib.make_eval_iterator(config)):
+        if i == AUTO_BATCHES:
+            break
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        mask = np.asarray(batch["loss_mask"]) > 0
+        target = np.asarray(argmax(model, batch, verify[0], verify[1]))
+        for n in AUTO_DRAFT_STEPS:
+            guess = np.asarray(argmax(model, batch, n, "euler"))
+            same[n] += float(((guess == target) & mask).sum())
+        count += float(mask.sum())
+    agreement = {n: same[n] / max(count, 1.0) for n in AUTO_DRAFT_STEPS}
+    verify_nfe = verify[0] * num_stages(verify[1])
+    best = max((predicted_speedup(agreement[n], k, n / verify_nfe), n, k)
+                for n in AUTO_DRAFT_STEPS for k in AUTO_DRAFT_TOKENS)
+    return DraftChoice((best[1], "euler"), best[2], agreement, best[0])

@@ -8,6 +8,7 @@ Prints the continuations and the decoding speed (tokens/s of a second, already c
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -34,6 +35,15 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-sample") -> argparse.Nam
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--data_dir", default=None, help="prepared data dir holding the tokenizer")
     p.add_argument("--no_timing", action="store_true", help="skip the timed second run")
+    p.add_argument("--draft", default=None,
+                   help="self-speculative decoding: the same weights draft at SOLVER:STEPS "
+                        "(e.g. euler:2) and the solve above verifies; auto: pick the draft "
+                        "and --draft_tokens from acceptance on validation batches")
+    p.add_argument("--draft_tokens", type=cli.int_list, default=[4],
+                   help="tokens the draft proposes per verifier forward (k); several, "
+                        "comma-separated: one timed line each")
+    p.add_argument("--json", default=None,
+                   help="with --draft: write each k's acceptance and tokens/s here")
     return p.parse_args(argv)
 
 
@@ -87,19 +97,12 @@ def run(args: argparse.Namespace) -> list[str]:
     kw = dict(max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, solver=args.solver,
               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               vocab_limit=tok.vocab_size, rtol=args.rtol, atol=args.atol)
+    if args.draft is not None:
+        return run_speculative(args, model, run, tok, prompts, kw)
     t0 = time.perf_counter()
     out = generate(model, prompts, **kw)
     first = time.perf_counter() - t0
-    texts, counts = [], []
-    for prompt, ids in zip(args.prompt, out, strict=True):
-        ids = list(ids)
-        if tok.eos_id in ids:
-            ids = ids[: ids.index(tok.eos_id)]
-        counts.append(len(ids))
-        texts.append(prompt + tok.decode(ids))
-    for text in texts:
-        print(text)
-        print("-" * 40)
+    texts, counts = print_texts(args.prompt, out, tok)
     n = out.size
     line = f"step {step} | {solve_text(args, config)} | {count_text(counts, args.max_new_tokens)}" \
            f" | first call (compile + run) {first:.2f}s"
@@ -109,6 +112,95 @@ def run(args: argparse.Namespace) -> list[str]:
         dt = time.perf_counter() - t0
         line += f" | {n / dt:,.1f} tokens/s ({dt:.3f}s, compiled)"
     print(line)
+    return texts
+
+
+def print_texts(prompts: list[str], out, tok) -> tuple[list[str], list[int]]:
+    """Each prompt and its continuation (cut at end-of-text); (texts, new-token counts)."""
+    texts, counts = [], []
+    for prompt, ids in zip(prompts, out, strict=True):
+        ids = list(ids)
+        if tok.eos_id in ids:
+            ids = ids[: ids.index(tok.eos_id)]
+        counts.append(len(ids))
+        texts.append(prompt + tok.decode(ids))
+    for text in texts:
+        print(text)
+        print("-" * 40)
+    return texts, counts
+
+
+def run_speculative(args, model, run, tok, prompts, kw) -> list[str]:
+    """Self-speculative decoding, then (unless --no_timing) both it and plain decoding at
+    the verifier's solve timed once compiled, one line per k with the acceptance figures."""
+    from ode_lm.generation import generate
+    from ode_lm.models.solvers import is_adaptive
+    from ode_lm.speculative import auto_draft, parse_solve, speculative_generate
+
+    config = run.config
+    verify = (args.num_steps or config.num_steps, args.solver or config.solver)
+    if is_adaptive(verify[1]):
+        raise cli.UsageError(f"--solver={verify[1]}: --draft needs a fixed-grid verifier "
+                             "(its KV cache is what the draft's tokens are checked against)")
+    if min(args.draft_tokens) < 1:
+        raise cli.UsageError(f"--draft_tokens={','.join(map(str, args.draft_tokens))}: "
+                             "each must be >= 1")
+    if args.json is not None and os.path.isdir(args.json):
+        raise cli.UsageError(f"--json={args.json}: a directory")
+    if args.draft == "auto":
+        choice = auto_draft(model, run.model_dir, verify)
+        draft, ks = choice.draft, [choice.draft_tokens]
+        print(choice.text())
+    else:
+        draft, ks = parse_solve(args.draft, "--draft"), args.draft_tokens
+    base = dict(draft=draft, verify=verify, max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                vocab_limit=tok.vocab_size)
+    pkw = {**kw, "num_steps": verify[0], "solver": verify[1]}
+    plain = None if args.no_timing else generate(model, prompts, **pkw)  # compiled here
+    texts, rows = [], []
+    for k in ks:
+        t0 = time.perf_counter()
+        out, stats = speculative_generate(model, prompts, draft_tokens=k, **base)
+        first = time.perf_counter() - t0
+        if not texts:
+            texts, counts = print_texts(args.prompt, out, tok)
+        line = (f"step {run.step} | draft {draft[1]}:{draft[0]} x {k} -> verify "
+                f"{verify[1]}:{verify[0]} | {count_text(counts, args.max_new_tokens)} | "
+                f"acceptance {100 * stats.acceptance_rate:.0f}%, "
+                f"{stats.tokens_per_round:.2f} tokens/verify")
+        row = {"draft": list(draft), "verify": list(verify), "draft_tokens": k,
+               "acceptance": stats.acceptance_rate, "tokens_per_verify": stats.tokens_per_round}
+        if plain is None:
+            print(line + f" | first call (compile + run) {first:.2f}s")
+            rows.append(row)
+            continue
+        t_spec, t_plain = [], []
+        for _ in range(3):  # alternated, so load hits both alike; the best of each
+            t0 = time.perf_counter()
+            speculative_generate(model, prompts, draft_tokens=k, **base)
+            t_spec.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            generate(model, prompts, **pkw)
+            t_plain.append(time.perf_counter() - t0)
+        n = out.size
+        same = bool((plain == out).all())
+        verdict = "identical to plain" if same else (
+            "sampled: the verifier's distribution" if args.temperature > 0 else
+            "DIFFERS from plain greedy decoding")
+        print(line + f" | {n / min(t_spec):,.1f} tokens/s against plain "
+              f"{n / min(t_plain):,.1f} ({min(t_plain) / min(t_spec):.2f}x) | {verdict}")
+        rows.append({**row, "tokens_per_s": n / min(t_spec), "plain_tokens_per_s":
+                     n / min(t_plain), "speedup": min(t_plain) / min(t_spec),
+                     "identical": same})
+    if args.json:
+        from ode_lm.provenance import provenance
+
+        with open(args.json, "w") as f:
+            json.dump({"model_dir": run.model_dir, "step": run.step, "prompts": args.prompt,
+                       "max_new_tokens": args.max_new_tokens,
+                       "temperature": args.temperature, "rows": rows,
+                       "provenance": provenance()}, f, indent=1)
     return texts
 
 
