@@ -185,3 +185,20 @@ def test_save_sharded_respects_the_umask(tmp_path):
         for n in names:
             assert os.stat(tmp_path / d / n).st_mode & 0o777 == 0o644
     assert os.stat(tmp_path / "private" / private[0]).st_mode & 0o777 == 0o600
+
+
+def test_assisted_generation_with_the_same_run_as_its_own_draft(tmp_path):
+    """The same run exported at a cheap N (the draft) and at its own N (the verifier):
+    transformers' assisted generation gives the verifier's own greedy tokens."""
+    run = str(tmp_path / "run")
+    make_run(run, tiny_config("gpt2", num_steps=3, init_std=0.5))
+    export(run, "hf", str(tmp_path / "draft"), num_steps=1)
+    export(run, "hf", str(tmp_path / "verify"), num_steps=3)
+    draft, verify = (transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / name, trust_remote_code=True).eval() for name in ("draft", "verify"))
+    prompt = torch.as_tensor(_tokens()[:1, :5])  # assisted generation takes one row
+    with torch.no_grad():
+        alone = verify.generate(prompt, max_new_tokens=12, do_sample=False)
+        assisted = verify.generate(prompt, max_new_tokens=12, do_sample=False,
+                                   assistant_model=draft)
+    assert torch.equal(assisted, alone)
