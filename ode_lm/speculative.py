@@ -198,7 +198,10 @@ def _speculate(graphdef, state, tokens, valid, key, *, max_new_tokens, draft, ve
             lambda c: c[1] < max_new_tokens, round_, init)
         return out[:max_new_tokens], rounds, accepted
 
-    return jax.vmap(one)(tokens, valid, jax.random.split(key, tokens.shape[0]))
+    keys = jax.random.split(key, tokens.shape[0])
+    if tokens.shape[0] == 1:  # one row: no batched loop condition, no selects on the caches
+        return jax.tree.map(lambda a: a[None], one(tokens[0], valid[0], keys[0]))
+    return jax.vmap(one)(tokens, valid, keys)
 
 
 def parse_solve(text: str, flag: str) -> tuple[int, str]:

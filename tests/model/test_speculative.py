@@ -37,6 +37,15 @@ def test_greedy_is_plain_greedy_at_the_verifier(model, plain, k, draft):
     assert (stats.rounds >= np.ceil((10 - 1) / (k + 1))).all()  # k+1 tokens a round at most
 
 
+def test_one_prompt_runs_without_the_batch_map(model):
+    ref = generate(model, PROMPTS[:1], max_new_tokens=8, num_steps=4, solver="euler")
+    for cap in (None, 0):
+        out, _ = speculative_generate(model, PROMPTS[:1], draft=(2, "euler"),
+                                      verify=(4, "euler"), draft_tokens=3, max_new_tokens=8,
+                                      accept_cap=cap)
+        np.testing.assert_array_equal(out, ref)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", [0, 1, 2, 3])
 def test_every_rollback_length_gives_the_same_tokens(model, plain, cap):
