@@ -125,6 +125,30 @@ def test_resume_with_new_settings_keeps_each_config(work, finished):
 
 
 @slow
+def test_resume_with_the_same_terms_or_a_hand_edited_config_is_no_change(work):
+    """A list of ``@Term()`` references and a reformatted value compare by value: a plain
+    resume keeps no ``config.<step>.gin`` and says nothing of changed settings."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "terms"
+    gin = _gin(work, "terms", model, 3, extra=(
+        "RandomSteps.choices = (1, 2)\nKineticEnergy.weight = 0.5\n"
+        "StepConfig.terms = [@RandomSteps(), @KineticEnergy()]\n"))
+    argv = ["-m", "ode_lm.commands.train", f"--gin_file={gin}"]
+    first = _cmd(work, argv)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for edit in (lambda text: text, lambda text: re.sub(
+            r"(StepConfig\.terms = )\[(.*)\]", r"\1(\2)", text.replace(
+            "KineticEnergy.weight = 0.5", "KineticEnergy.weight = 5e-1"))):
+        config = model / "config.gin"
+        config.write_text(edit(config.read_text()))
+        shutil.rmtree(model / "checkpoints" / "3")  # an interrupted run, resumed at step 2
+        r = _cmd(work, argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "settings changed" not in r.stdout, r.stdout
+        assert sorted(p.name for p in model.glob("config*.gin")) == ["config.gin"]
+
+
+@slow
 def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
     model = _copy(finished, work / "trimmed")
     with open(model / "metrics.jsonl", "a") as f:  # a killed run's rows past checkpoint 3
@@ -450,6 +474,13 @@ def test_config_changes_name_each_binding():
     new = "ODE_STEPS = 8\nModelConfig.num_steps = %ODE_STEPS\nOptimizerConfig.lr = 0.001\n"
     assert config_changes(old, new) == ["ODE_STEPS 4 \u2192 8"]
     assert config_changes(old, old) == []
+    terms = "StepConfig.terms = [@RandomSteps(), @KineticEnergy()]\nA.x = 0.001\n"
+    assert config_changes(terms, terms) == []  # by value, not by object address
+    assert config_changes(terms, terms.replace("0.001", "1e-3").replace("[", "(")
+                          .replace("]", ")")) == []
+    assert config_changes(terms, terms.replace("@KineticEnergy()", "@Distillation()")) == [
+        "StepConfig.terms (@RandomSteps(), @KineticEnergy()) \u2192 "
+        "(@RandomSteps(), @Distillation())"]
 
 
 def test_second_sigint_raises_stop_now():
