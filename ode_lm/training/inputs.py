@@ -60,6 +60,43 @@ def default_eval_data(data_config: Any, mesh, rules):
     return (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
 
+def check_resume_tokenizer(run_dir: Any, data_config: Any, manifest: dict) -> None:
+    """On a resume: the prepared data is tokenized as the checkpoints were trained, by the
+    tokenizer record the run keeps (``RunDir.inputs``), else (a run from before it) by the
+    manifest of the data dir it records; another tokenizer under the same spec (``bpe:N``
+    trained on another corpus) is refused in one line, before anything is written."""
+    import os
+
+    from ode_lm.data.manifest import has_manifest, load_manifest
+
+    new_dir = getattr(data_config, "data_dir", None)
+    recorded = (run_dir.inputs() or {}).get("tokenizer")
+    old_dir = run_dir.data_dir()
+    if recorded is None:
+        if not old_dir or not has_manifest(old_dir) or (
+                new_dir and os.path.abspath(old_dir) == os.path.abspath(new_dir)):
+            return
+        recorded = load_manifest(old_dir)["tokenizer"]
+    check_tokenizer_record(recorded, manifest, f"MODEL_DIR={run_dir.path}", old_dir,
+                           f"DATA_DIR={new_dir}", "resume on the data it was trained on, or "
+                           "train into a new MODEL_DIR")
+
+
+def check_tokenizer_record(recorded: dict | None, manifest: dict, run: str,
+                           trained_on: str | None, data: str, advice: str) -> None:
+    """One line when ``manifest``'s tokenizer is not the ``recorded`` one (spec, sha256,
+    vocab_size, eos_id: ``RunDir.inputs()["tokenizer"]``); nothing without a record."""
+    now = manifest["tokenizer"]
+    if recorded is None or all(recorded.get(k) == now.get(k)
+                               for k in ("sha256", "vocab_size", "eos_id")):
+        return
+    where = f", {trained_on}" if trained_on else ""
+    raise ValueError(
+        f"tokenizer mismatch: {run} was trained on {recorded['spec']!r} (sha256 "
+        f"{recorded['sha256'][:12]}{where}) but {data} holds {now['spec']!r} (sha256 "
+        f"{now['sha256'][:12]}): {advice}")
+
+
 def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
                 evaluate: bool = True) -> int | None:
     """Before any step: the model's vocabulary covers the prepared data's token ids, and (with

@@ -37,6 +37,7 @@ from ode_lm.training.hooks import Evaluate, Hook, Hooks, Save, StepInfo, StepRea
 from ode_lm.training.inputs import (
     EvalData,
     TrainData,
+    check_resume_tokenizer,
     check_vocab,
     data_scalars,
     default_eval_data,
@@ -121,6 +122,7 @@ class Trainer:
         partitioning.check_param_annotations(self.spec.abstract_params)
         # 4. data: the default data is prepared and checked in run()'s data step, once
         self.own_data = (train_data is None, eval_data is None)
+        self._inputs: dict | None = None  # the default data's tokenizer record (data step)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
         self.evaluator = Evaluator(
@@ -160,8 +162,11 @@ class Trainer:
         own_train, own_eval = self.own_data
         if own_train:
             manifest = prepare_data_once(self.data_config)
+            if resumed:
+                check_resume_tokenizer(self.run_dir, self.data_config, manifest)
             self.evaluator.num_batches = check_vocab(self.model_config, self.data_config,
                                                      manifest, evaluate=own_eval)
+            self._inputs = {"tokenizer": manifest["tokenizer"]}
         data_iterator, batches = self.train_data(self.data_config, self.mesh, self.rules, start)
         if resumed and not self.checkpointer.restore_data(start, data_iterator):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
@@ -177,6 +182,7 @@ class Trainer:
         if not has_manifest(data_dir):
             return
         manifest = prepare_data_once(self.data_config)
+        check_resume_tokenizer(self.run_dir, self.data_config, manifest)
         check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
@@ -343,7 +349,8 @@ class Trainer:
         self.run_dir.write_run_files(
             self.model_config, self.data_config, self._record,
             sharding=partitioning.sharding_text(self.mesh, self.sharding_table),
-            finetune=self.finetune.info if self.finetune is not None else None)
+            finetune=self.finetune.info if self.finetune is not None else None,
+            inputs=self._inputs)
 
     def _write_result(self, result: TrainResult) -> None:
         """A fine-tune's result (its counts, final step and eval), still under the lock."""

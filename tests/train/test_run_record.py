@@ -148,6 +148,52 @@ def test_resume_with_the_same_terms_or_a_hand_edited_config_is_no_change(work):
         assert sorted(p.name for p in model.glob("config*.gin")) == ["config.gin"]
 
 
+def _corpus(path: Path, words: list[str], n: int = 300) -> Path:
+    import random
+
+    rng = random.Random(len(words))
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=30))}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
+@slow
+def test_resume_on_another_tokenizer_of_the_same_spec_is_refused(work):
+    """``bpe:300`` trained on another corpus is another tokenizer: a resume on it is refused
+    in one line (by the run's ``inputs.json``, or by its old data dir's manifest), MODEL_DIR
+    left as it was."""
+    work.mkdir(parents=True, exist_ok=True)
+    a = _corpus(work / "a.jsonl", ["ode", "solver", "euler", "midpoint", "step", "grid"])
+    b = _corpus(work / "b.jsonl", ["token", "vocab", "merge", "byte", "pair", "corpus", "x"])
+    model = work / "tok"
+    gin = work / "tok.gin"
+    gin.write_text(micro_cli_gin(work / "tok_a", model, train_steps=2, ici="(-1, 1, 1)")
+                   + f"TOKENIZER = 'bpe:300'\nDataConfig.source = '{a}'\n")
+    argv = ["-m", "ode_lm.commands.train", f"--gin_file={gin}"]
+    r = _cmd(work, argv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((model / "inputs.json").read_text())["tokenizer"]["spec"] == "bpe:300"
+    before = tree_hash(model)
+    other = [f"--gin.DataConfig.source='{b}'", "--gin.TRAIN_STEPS=3"]
+    cases = {"another data dir": [f"--gin.DATA_DIR='{work / 'tok_b'}'"],
+             "the data dir prepared again": []}
+    for case, extra in cases.items():
+        if not extra:
+            shutil.rmtree(work / "tok_a")  # same path, now prepared from another corpus
+        r = _cmd(work, [*argv, *other, *extra])
+        err = r.stderr.strip()
+        assert r.returncode == 1, (case, r.stdout[-2000:], err[-2000:])
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, (case, err)
+        assert "tokenizer mismatch: MODEL_DIR=" in err and "'bpe:300'" in err, (case, err)
+        assert tree_hash(model) == before, case
+    # its checkpoints do not evaluate on the data dir prepared again either
+    r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={model}"])
+    err = r.stderr.strip()
+    assert r.returncode == 1 and len(err.splitlines()) == 1, (r.stdout[-2000:], err[-2000:])
+    assert err.startswith(f"ode-lm eval: error: tokenizer mismatch: --model_dir={model}"), err
+    assert tree_hash(model) == before
+
+
 @slow
 def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
     model = _copy(finished, work / "trimmed")
