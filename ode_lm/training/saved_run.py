@@ -156,7 +156,9 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
     candidates = [step] if step is not None else steps[::-1]
     for i, s in enumerate(candidates):
         try:
-            return _restore_params_at(directory / str(s) / "state", abstract_params), s
+            params = _restore_params_at(directory / str(s) / "state", abstract_params)
+            ckpt_lib.check_finite(params)  # bit rot reads back as NaN, not as an error
+            return params, s
         except ckpt_lib.ShapeMismatchError:
             raise
         except Exception as e:

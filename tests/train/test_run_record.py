@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from data_helpers import cli_env, micro_cli_gin, tree_hash
 
@@ -382,6 +383,49 @@ def test_damaged_latest_checkpoint_is_one_line_and_the_summary_names_the_step(wo
     assert r.returncode == 0 and len(_lines(r.stderr)) == 1, r.stderr
     assert f"exported step {damaged - 1} of" in r.stdout
     assert tree_hash(model) == before
+
+
+def _rot_latest(model: Path) -> int:
+    """Bit rot: the latest step's array data files keep their size, their bytes random."""
+    step = _ckpt_steps(model)[-1]
+    data = (model / "checkpoints" / str(step) / "state").glob("ocdbt.process_*/d/*")
+    victims = [p for p in data if p.stat().st_size > 4096]
+    assert victims
+    for victim in victims:
+        victim.write_bytes(np.random.default_rng(0).bytes(victim.stat().st_size))
+    return step
+
+
+@slow
+def test_bit_rotted_checkpoint_is_damaged_not_nan(work, finished):
+    """Random bytes of the right size read back as NaN/Inf parameters: the step is damaged
+    (named, one line), never a ``nan`` eval with exit 0 or a resume that blames the
+    learning rate."""
+    model = _copy(finished, work / "rotted")
+    rotted = _rot_latest(model)
+    before = tree_hash(model)
+    for argv in (["eval", f"--model_dir={model}", f"--step={rotted}"],
+                 ["sample", f"--model_dir={model}", f"--step={rotted}", "--prompt=The",
+                  "--max_new_tokens=2", "--no_timing"]):
+        r = _cmd(work, ["-m", "ode_lm", *argv])
+        err = r.stderr.strip()
+        assert r.returncode == 1, (argv[0], r.stdout[-2000:], err[-2000:])
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"ode-lm {argv[0]}: error: checkpoint "
+                              f"{model / 'checkpoints' / str(rotted)} is damaged (NaN or Inf in "
+                              ), err
+    r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={model}"])  # the latest: falls back
+    assert r.returncode == 0, r.stderr[-3000:]
+    [line] = _lines(r.stderr)
+    assert line.startswith(f"checkpoint step {rotted} is damaged (NaN or Inf in "), line
+    assert line.endswith(f"falling back to step {rotted - 1}"), line
+    assert f"step: {rotted - 1}.0000" in r.stdout and "nan" not in r.stdout, r.stdout
+    assert tree_hash(model) == before
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={work / 'finished.gin'}",
+                    f"--gin.MODEL_DIR='{model}'", "--gin.TRAIN_STEPS=4"])  # resumes at 2
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"checkpoint step {rotted} is damaged (NaN or Inf in " in r.stderr, r.stderr
+    assert "resumed from step 2" in r.stdout, r.stdout
 
 
 def test_damage_cause_is_a_few_words():
