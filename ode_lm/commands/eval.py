@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -90,7 +91,8 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Names
                         "run's own solver and N")
     p.add_argument("--log", action="store_true",
                    help="append the results to MODEL_DIR/metrics.jsonl at the checkpoint's "
-                        "step (what ode-lm depth-gap reads)")
+                        "step (what ode-lm depth-gap reads); validation split only, refused "
+                        "at once while a run trains there")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--split", default="validation")
     p.add_argument("--lm_eval_tasks", default=None,
@@ -166,20 +168,19 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
 
 def log_results(model_dir: str, results: dict[str, float]) -> str:
     """Append ``results`` as one metrics row at their step, as the trainer writes its evals
-    (``metrics.JsonlWriter``), holding the run's lock (not while it trains)."""
-    from ode_lm.training import run_lock
+    (``metrics.JsonlWriter``); the caller holds the run's lock (``run``: from before the
+    evaluation, so a run training there refuses it at once)."""
     from ode_lm.training.metrics import JsonlWriter
     from ode_lm.training.run_dir import RunDir
 
     path = RunDir(model_dir).metrics
-    with run_lock.hold(model_dir):
-        writer = JsonlWriter(path)
-        try:
-            writer.write_scalars(int(results["step"]),
-                                 {k: v for k, v in results.items() if k != "step"})
-            writer.flush()
-        finally:
-            writer.close()
+    writer = JsonlWriter(path)
+    try:
+        writer.write_scalars(int(results["step"]),
+                             {k: v for k, v in results.items() if k != "step"})
+        writer.flush()
+    finally:
+        writer.close()
     return path
 
 
@@ -196,21 +197,37 @@ def run(args: argparse.Namespace) -> int:
             raise cli.UsageError(f"--solves and {other}: give one of them")
         solves = parse_solves(args.solves)
         cli.check_solver_flags(None, None, args.atol)
-    if args.lm_eval_tasks:
-        results = lm_eval_run(args, steps)
-    elif solves is not None:
-        results = evaluate_solves(args.model_dir, solves, args.step, args.split, args.atol)
+    if args.log:  # checked before any work: the split its names stand for, the lock
+        if args.split != "validation" and not args.lm_eval_tasks:
+            raise cli.UsageError(f"--log with --split={args.split}: a metrics row holds the "
+                                 "validation split's figures (what depth-gap reads); drop "
+                                 "--log to see this split's")
+        if not os.path.isdir(args.model_dir):
+            raise FileNotFoundError(f"--model_dir={args.model_dir}: no such directory")
+        from ode_lm.training import run_lock
+
+        with run_lock.hold(args.model_dir):  # not while a run trains there: refused at once
+            results = _evaluate(args, steps, solves)
+            path = log_results(args.model_dir, results)
     else:
-        results = evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
-                               args.rtol, args.atol)
+        results = _evaluate(args, steps, solves)
     for k, v in results.items():
         print(f"{k}: {v:.4f}")
     if solves is not None:
         print(gap_lines(results))
     if args.log:
-        print(f"logged to {log_results(args.model_dir, results)} at step {int(results['step'])}")
+        print(f"logged to {path} at step {int(results['step'])}")
     print(json.dumps(results))
     return 0
+
+
+def _evaluate(args: argparse.Namespace, steps: list, solves: list | None) -> dict[str, float]:
+    if args.lm_eval_tasks:
+        return lm_eval_run(args, steps)
+    if solves is not None:
+        return evaluate_solves(args.model_dir, solves, args.step, args.split, args.atol)
+    return evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
+                        args.rtol, args.atol)
 
 
 def gap_lines(results: dict[str, float]) -> str:

@@ -143,6 +143,9 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "eval: --solves with --num_steps": ([*EVAL, "--solves=euler:2", "--num_steps=4"],
                                         "--solves and --num_steps: give one of them", USAGE),
     "eval: negative atol": ([*EVAL, "--solver=adaptive", "--atol=-1"], "--atol=-1.0", USAGE),
+    "eval: --log of another split": ([*EVAL, "--split=train", "--log"],
+                                     "--log with --split=train: a metrics row holds the "
+                                     "validation split's figures", USAGE),
     # sample
     "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0", USAGE),
     "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature", USAGE),

@@ -385,6 +385,28 @@ def test_damaged_latest_checkpoint_is_one_line_and_the_summary_names_the_step(wo
     assert tree_hash(model) == before
 
 
+@slow
+def test_eval_log_on_a_run_in_training_is_refused_before_it_evaluates(work, finished):
+    """``eval --log`` takes the run lock first: while a run holds MODEL_DIR it is refused
+    at once, in one line, having evaluated nothing and changed nothing."""
+    before = tree_hash(finished)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from ode_lm.training import run_lock\n"
+         f"with run_lock.hold({str(finished)!r}):\n    print('held', flush=True)\n"
+         "    sys.stdin.read()\n"], cwd=REPO, env=_env(work), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={finished}", "--log"])
+    finally:
+        holder.communicate("", timeout=60)
+    err = r.stderr.strip()
+    assert r.returncode == 1 and len(err.splitlines()) == 1, (r.stdout, err[-2000:])
+    assert "is in use by another training run" in err, err
+    assert r.stdout == "", r.stdout  # nothing evaluated
+    assert tree_hash(finished) == before
+
+
 def _rot_latest(model: Path) -> int:
     """Bit rot: the latest step's array data files keep their size, their bytes random."""
     step = _ckpt_steps(model)[-1]
