@@ -4,6 +4,9 @@ batches (``ode_lm.data``'s pipelines, as global arrays sharded over the batch)."
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +36,41 @@ def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = Non
             sync = multihost_utils.sync_global_devices
         sync("ode_lm: data prepared by process 0")
     return data_lib.ensure_prepared(data_config)
+
+
+@contextlib.contextmanager
+def data_dirs_kept_as_found(data_config: Any, model_dir: str) -> Iterator[None]:
+    """For a command that prepares its data on its way (fine-tuning: before it can compare
+    tokenizers): a local data dir it creates is removed again (process 0) when the command
+    fails before ``model_dir`` holds a checkpoint, so the corrected command (the tokenizer
+    the error names) is not refused by the data the failed one prepared. Ctrl-C keeps it:
+    an interrupted preparation resumes."""
+    from ode_lm.data.config import mixture_components
+    from ode_lm.training.run_dir import RunDir
+
+    dirs = [c.data_dir for _, c in mixture_components(data_config)] \
+        if getattr(data_config, "mixture", None) else [data_config.data_dir]
+    created = [top for top in map(_first_missing, dirs) if top is not None]
+    try:
+        yield
+    except Exception:
+        if created and jax.process_index() == 0 and not RunDir(model_dir).has_checkpoint():
+            for top in created:
+                shutil.rmtree(top, ignore_errors=True)
+        raise
+
+
+def _first_missing(path: str | None) -> str | None:
+    """The topmost ancestor of a local ``path`` (or itself) that does not exist yet."""
+    if not path or "://" in path:
+        return None
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
 
 
 def default_train_data(data_config: Any, mesh, rules, start_step: int):

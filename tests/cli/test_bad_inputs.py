@@ -165,6 +165,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "finetune: zero steps": ([*FINETUNE, "--gin.FINETUNE_STEPS=0"], "FINETUNE_STEPS=0", USAGE),
     "finetune: unknown method": ([*FINETUNE, "--gin.METHOD='qlora'"], "qlora", USAGE),
     "finetune: no gin file": (["finetune", "--gin.METHOD=lora"], "--gin_file", USAGE),
+    "finetune: another tokenizer than the pretrained run's prepares no data dir": (
+        [*FINETUNE, "--gin.DataConfig.source='{WORK}/prompt.txt'",
+         "--gin.DataConfig.data_dir='{WORK}/data_new/ft'", "--gin.DataConfig.tokenizer='bpe:300'"],
+        "tokenizer mismatch: the pretrained run", FAILED),
     # prepare
     "prepare: no such source": ([*PREPARE, "--source={WORK}/nope.jsonl",
                                  "--data_dir={WORK}/data_new"], "nope.jsonl", FAILED),
