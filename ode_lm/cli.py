@@ -107,6 +107,17 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
         raise FileExistsError(f"{flag}={path}: is a file, not a directory")
 
 
+def check_out_file(path: str, flag: str = "--json") -> None:
+    """An output file flag, before any work: one that names a directory, or lies in a
+    directory that does not exist, is one line naming it (``open`` would fail only after
+    the work, with a bare ``[Errno 21]``)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{flag}={path}: is a directory, not a file")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{flag}={path}: directory {parent} does not exist")
+
+
 _RST_LITERAL = re.compile(r"``([^`]+)``")
 
 

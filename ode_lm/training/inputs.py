@@ -135,6 +135,29 @@ def check_tokenizer_record(recorded: dict | None, manifest: dict, run: str,
         f"{now['sha256'][:12]}): {advice}")
 
 
+def check_vocab_before_prepare(model_config: ModelConfig, data_config: Any) -> None:
+    """Before a data dir is prepared (a BPE trained, a corpus tokenized: minutes), the
+    vocabulary the tokenizer spec asks for (``bpe:<n>``: n) must fit the model's, refused
+    at once as ``check_vocab`` would after; a prepared dir is ``check_vocab``'s."""
+    from ode_lm.data import tokenizers as tok_lib
+    from ode_lm.data.manifest import has_manifest
+
+    if getattr(data_config, "mixture", None) or getattr(data_config, "streaming", False) \
+            or has_manifest(data_config.data_dir):
+        return
+    spec = data_config.tokenizer
+    size = (tok_lib.bpe_vocab_size(spec) if spec.startswith("bpe:")
+            else tok_lib.get_tokenizer(spec).vocab_size)
+    _check_size(model_config, data_config, size)
+
+
+def _check_size(model_config: ModelConfig, data_config: Any, size: int) -> None:
+    if size > model_config.vocab_size:
+        raise ValueError(
+            f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{size} ({data_config.tokenizer} in {data_config.data_dir})")
+
+
 def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
                 evaluate: bool = True) -> int | None:
     """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
@@ -143,11 +166,7 @@ def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
     itself)."""
     from ode_lm import data as data_lib
 
-    if manifest["vocab_size"] > model_config.vocab_size:
-        raise ValueError(
-            f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
-            f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
-        )
+    _check_size(model_config, data_config, manifest["vocab_size"])
     if evaluate:  # the eval batches, for the eval's progress line
         return data_lib.check_eval_split(data_config, manifest)
     return None

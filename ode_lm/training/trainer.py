@@ -39,6 +39,7 @@ from ode_lm.training.inputs import (
     TrainData,
     check_resume_tokenizer,
     check_vocab,
+    check_vocab_before_prepare,
     data_scalars,
     default_eval_data,
     default_train_data,
@@ -161,6 +162,7 @@ class Trainer:
         restored when the checkpoint has one for this process layout."""
         own_train, own_eval = self.own_data
         if own_train:
+            check_vocab_before_prepare(self.model_config, self.data_config)
             manifest = prepare_data_once(self.data_config)
             if resumed:
                 check_resume_tokenizer(self.run_dir, self.data_config, manifest)

@@ -108,6 +108,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
          "'seq_len': 64}}}}"], "components 'a' and 'b' disagree on seq_len", USAGE),
     "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128",
                                                      FAILED),
+    "train: a bpe larger than the vocabulary, refused before it is trained": (
+        [*TRAIN, "--gin.MODEL_DIR='{WORK}/ft_new'", "--gin.DATA_DIR='{WORK}/data_new'",
+         "--gin.TOKENIZER='bpe:512'"],
+        "ModelConfig.vocab_size=384 is smaller than the tokenizer's 512 (bpe:512 in", FAILED),
     "train: binding syntax": ([*TRAIN, "--gin_bindings=ModelConfig.d_model = = 3"],
                               "ModelConfig.d_model", USAGE),
     "train: unclosed bracket": ([*TRAIN, "--gin.MeshConfig.ici_parallelism=(1, -1"],
@@ -255,6 +259,15 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "depth-report: a step list entry not a number": (
         ["depth-report", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--num_steps=2,x"],
         "argument --num_steps: invalid int value: 'x'", USAGE),
+    "depth-report: out is a file": (
+        ["depth-report", "--model_dir={MODEL}", "--out={WORK}/prompt.txt"],
+        "--out={WORK}/prompt.txt: is a file, not a directory", FAILED),
+    "depth-report: --json is a directory": (
+        ["depth-report", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--json={DATA}"],
+        "--json={DATA}: is a directory, not a file", FAILED),
+    "depth-report: zero steps": (["depth-report", "--model_dir={MODEL}",
+                                  "--out={WORK}/analysis_new", "--num_steps=0,2"],
+                                 "--num_steps=0,2: every entry must be >= 1", USAGE),
     # depth-gap, finetune-table
     "depth-gap: no such run": (["depth-gap", "table", "r={WORK}/nope"], "nope", FAILED),
     "depth-gap: a data dir is not a run": (["depth-gap", "table", "r={DATA}"],
@@ -306,6 +319,8 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                             USAGE),
     # bench, sweep, scaling-report
     "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),
+    "bench: --json is a directory": (["bench", "--json={DATA}"],
+                                     "--json='{DATA}': is a directory, not a file", USAGE),
     "bench: steps not a number": (["bench", "--steps=few"], "argument --steps: invalid int",
                                   USAGE),
     "sweep: no such sweep file": (["sweep", "{WORK}/nope.gin", "--root={WORK}/export_new"],
