@@ -42,15 +42,26 @@ class ExportResult:
     max_abs_diff: float | None = None
 
 
-def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | None,
-                  dtype: str) -> None:
-    """Every bad flag combination, before any checkpoint is read where possible."""
+def check_flags(fmt: str, num_steps: int | None, dtype: str,
+                max_shard_bytes: int | None = None) -> None:
+    """The flags on their own (a ``UsageError``, exit 2), before the run is even looked at."""
     if fmt not in FORMATS:
         raise UsageError(f"--format={fmt!r}: unknown format; expected one of {FORMATS}")
     if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
         raise UsageError(f"--num_steps={num_steps!r}: must be a positive number of solver steps")
     if dtype not in safetensors_io.DTYPES:
         raise UsageError(f"--dtype={dtype!r}: expected one of {tuple(safetensors_io.DTYPES)}")
+    if fmt == "raw" and num_steps is not None:
+        raise UsageError(f"--num_steps={num_steps} with --format=raw: a raw export keeps the "
+                         "continuous model; the step count is chosen when it is loaded")
+    if max_shard_bytes is not None and not max_shard_bytes > 0:
+        raise UsageError(f"--max_shard_mb={max_shard_bytes / 2**20:g}: must be > 0")
+
+
+def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | None,
+                  dtype: str) -> None:
+    """Every bad flag combination (``check_flags``), then those the run's model refuses."""
+    check_flags(fmt, num_steps, dtype)
     if fmt == "hf-neox" and flavour != "neox":
         raise ValueError(
             f"--format=hf-neox: a {flavour} model can't be mapped to GPTNeoXForCausalLM "
@@ -59,9 +70,6 @@ def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | No
     if fmt.startswith("hf") and architecture == "sequential" and num_steps is not None:
         raise ValueError(f"--num_steps={num_steps}: a sequential {flavour} baseline has a fixed "
                          "depth (its num_layers); drop the flag")
-    if fmt == "raw" and num_steps is not None:
-        raise ValueError("--num_steps: a raw export keeps the continuous model; "
-                         "the step count is chosen when it is loaded")
 
 
 def _materialised(model, num_steps: int | None):
@@ -134,6 +142,7 @@ def export(
     from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_model
 
+    check_flags(fmt, num_steps, dtype, max_shard_bytes)  # exit 2 whatever the run
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
     run = run_dir(model_dir)

@@ -210,7 +210,8 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "prepare: unknown non-utf8 policy": ([*PREPARE, "--non_utf8=drop",
                                           "--data_dir={WORK}/data_new"], "drop", USAGE),
     "prepare: bpe vocabulary too small": ([*PREPARE, "--tokenizer=bpe:0",
-                                           "--data_dir={WORK}/data_new"], "bpe:0", FAILED),
+                                           "--data_dir={WORK}/data_new"],
+                                          "--tokenizer=bpe:0: tokenizer spec 'bpe:0'", USAGE),
     "prepare: unsupported source file": ([*PREPARE, "--source={GIN}",
                                           "--data_dir={WORK}/data_new"], "unsupported file type",
                                          FAILED),
@@ -219,6 +220,13 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                   "--holdout=0.1", USAGE),
     # export
     "export: unknown format": ([*EXPORT, "--format=onnx"], "--format='onnx'", USAGE),
+    "export: unknown format of a missing run is still a usage error": (
+        ["export", "--model_dir={WORK}/nope", "--format=onnx", "--out={WORK}/export_new"],
+        "--format='onnx'", USAGE),
+    "export: raw with --num_steps": ([*EXPORT, "--format=raw", "--num_steps=4"],
+                                     "--num_steps=4 with --format=raw", USAGE),
+    "export: zero shard size": ([*EXPORT, "--format=raw", "--max_shard_mb=0"],
+                                "--max_shard_mb=0: must be > 0", USAGE),
     "export: missing --format": (EXPORT, "--format", USAGE),
     "export: out is not empty": (["export", "--model_dir={MODEL}", "--format=raw",
                                   "--out={DATA}"], "not empty", FAILED),

@@ -130,7 +130,10 @@ def test_the_export_entries_share_one_cli(tmp_path, script):
     ("neox", ["--format=onnx"], "--format='onnx': unknown format", 2),
     ("gpt2", ["--format=hf-neox"], "a gpt2 model can't be mapped to GPTNeoXForCausalLM", 1),
     ("llama", ["--format=hf", "--dtype=fp16"], "--dtype='fp16'", 2),
-    ("neox", ["--format=raw", "--num_steps=4"], "raw export keeps the continuous model", 1),
+    ("neox", ["--format=raw", "--num_steps=4"], "--num_steps=4 with --format=raw: a raw "
+     "export keeps the continuous model", 2),
+    ("neox", ["--format=raw", "--max_shard_mb=0"], "--max_shard_mb=0: must be > 0", 2),
+    ("neox", ["--format=raw", "--max_shard_mb=-1"], "--max_shard_mb=-1: must be > 0", 2),
 ])
 def test_cli_bad_input_one_line(tmp_path, capsys, flavour, extra, message, status):
     run = str(tmp_path / "run")

@@ -175,3 +175,24 @@ def test_cli(tmp_path):
     assert bad.returncode == 1  # a run-time error (2 is for a command line that does not parse)
     assert bad.stderr.strip().count("\n") == 0 and "missing.jsonl" in bad.stderr
     assert bad.stderr.startswith("ode-lm prepare: error: ")
+
+
+def test_split_warnings_never_advise_the_holdout_given_or_one_below_zero():
+    """The advice names a --holdout_fraction above the one given (or none), and no lower
+    one than 0.0."""
+    import re
+
+    from ode_lm.commands.prepare import split_warnings
+
+    def warnings(train, val, fraction):
+        return split_warnings({"splits": {"train": {"tokens": train},
+                                          "validation": {"tokens": val}},
+                               "holdout": {"fraction": fraction}})
+
+    [train_line, _] = warnings(100, 0, 0.0)
+    assert "lower --holdout_fraction" not in train_line, train_line
+    for train, val, fraction in ((100_000, 10_000, 0.3), (1_000_000, 4_000, 0.05),
+                                 (1_000_000, 20_000, 0.02), (100_000, 100, 0.3)):
+        [line] = warnings(train, val, fraction)
+        advised = re.search(r"with --holdout_fraction=([0-9.]+)$", line)
+        assert advised is None or float(advised.group(1)) > fraction, line
