@@ -161,6 +161,9 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                           USAGE),
     "sample: data dir is a file": ([*SAMPLE, "--data_dir={WORK}/prompt.txt"],
                                    "--data_dir={WORK}/prompt.txt: is a file", FAILED),
+    "sample: a prompt longer than the learned positions": (
+        [*SAMPLE, "--prompt=" + "ODE " * 300], "--prompt: 1200 tokens, but the model learned",
+        USAGE),
     "sample: more tokens than the learned positions": (
         [*SAMPLE, "--max_new_tokens=500"], "--max_new_tokens=500: the prompt", USAGE),
     # finetune
