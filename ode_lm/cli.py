@@ -100,6 +100,30 @@ def check_solver_flags(solver: str | None, rtol: float | None, atol: float | Non
         raise UsageError(f"--atol={atol}: must be >= 0")
 
 
+def check_tolerances_used(solver: str | None, rtol: float | None, atol: float | None,
+                          model_dir: str | None = None) -> None:
+    """``--rtol``/``--atol`` set only an adaptive solve: with a fixed-grid ``--solver`` (or,
+    without one, a run whose own solver is fixed-grid, read from its model config) they
+    would be ignored without a word, so they are refused in one line, before a restore."""
+    if rtol is None and atol is None:
+        return
+    from ode_lm.models import solvers as solvers_lib
+
+    whose = f"--solver={solver}"
+    if solver is None and model_dir is not None:
+        from ode_lm.training.run_dir import RunDir
+
+        try:
+            solver, whose = RunDir(model_dir).model_config().solver, "the run's own solver"
+        except (OSError, ValueError, TypeError):
+            return  # no readable run: the restore says so
+    if solver is None or solvers_lib.is_adaptive(solver):
+        return
+    flag = f"--rtol={rtol}" if rtol is not None else f"--atol={atol}"
+    raise UsageError(f"{flag}: {whose} ({solver}) is fixed-grid and takes no tolerance; "
+                     "add --solver=adaptive (or dopri5) to solve adaptively")
+
+
 def check_out_dir(path: str, flag: str = "--out") -> None:
     """A directory flag that names an existing file: one line naming it, before any work
     (``os.makedirs`` would say only ``[Errno 17] File exists``)."""

@@ -118,6 +118,7 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     from ode_lm.training.saved_run import load_run
 
     cli.check_solver_flags(solver, rtol, atol)
+    cli.check_tolerances_used(solver, rtol, atol, model_dir)
     run = load_run(model_dir, step, read_run=run_dir)
     sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
     return _with_gaps(run, sweep)
@@ -156,6 +157,7 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
     from ode_lm.training.saved_run import load_run
 
     cli.check_solver_flags(args.solver, args.rtol, args.atol)
+    cli.check_tolerances_used(args.solver, args.rtol, args.atol, args.model_dir)
     tasks = harness.parse_tasks(args.lm_eval_tasks)
     harness.task_manager(tasks, args.lm_eval_include_path)  # bad tasks/paths before the restore
     run = load_run(args.model_dir, args.step, read_run=run_dir)

@@ -146,6 +146,14 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "eval: an empty --solves": ([*EVAL, "--solves= "], "--solves=' ': expected e.g.", USAGE),
     "eval: --solves with --num_steps": ([*EVAL, "--solves=euler:2", "--num_steps=4"],
                                         "--solves and --num_steps: give one of them", USAGE),
+    "eval: --rtol with a fixed-grid solver": ([*EVAL, "--solver=rk4", "--rtol=1e-3"],
+                                              "--rtol=0.001: --solver=rk4 (rk4) is fixed-grid "
+                                              "and takes no tolerance", USAGE),
+    "eval: --atol with the run's own fixed-grid solver": (
+        [*EVAL, "--atol=1e-6"], "--atol=1e-06: the run's own solver (euler) is fixed-grid",
+        USAGE),
+    "sample: --rtol with a fixed-grid solver": ([*SAMPLE, "--solver=euler", "--rtol=1e-3"],
+                                                "--rtol=0.001: --solver=euler", USAGE),
     "eval: negative atol": ([*EVAL, "--solver=adaptive", "--atol=-1"], "--atol=-1.0", USAGE),
     "eval: --log of another split": ([*EVAL, "--split=train", "--log"],
                                      "--log with --split=train: a metrics row holds the "
