@@ -3,7 +3,9 @@
 Evaluates a saved run on its validation split: exact token-weighted loss and perplexity,
 at the trained number of ODE steps or any others (a depth sweep) with any solver, or with an
 adaptive solver (``--solver=adaptive --rtol=1e-3``: Bogacki–Shampine 3(2), or ``dopri5``),
-which also reports the mean number of vector-field evaluations (NFE) per batch. The data
+which also reports the mean number of vector-field evaluations (NFE) per batch; the run's
+own solver and N are evaluated too, and every other setting is printed with its gap to
+them. The data
 and model settings come from ``MODEL_DIR/{data,model}_config.json``; the mesh is all local
 devices.
 ``--solves="euler:4,6,8 rk4:8 adaptive:1e-3"`` evaluates several solves in one call (one
@@ -115,13 +117,13 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
     adaptive), and each setting's depth gap as the trainer logs it."""
     from ode_lm.gin_setup import run_dir
+    from ode_lm.training.evaluation import sweep_solves
     from ode_lm.training.saved_run import load_run
 
     cli.check_solver_flags(solver, rtol, atol)
     cli.check_tolerances_used(solver, rtol, atol, model_dir)
     run = load_run(model_dir, step, read_run=run_dir)
-    sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
-    return _with_gaps(run, sweep)
+    return _own_and(run, run.evaluator(split), sweep_solves(num_steps, solver, rtol), atol)
 
 
 def evaluate_solves(model_dir: str, solves: Sequence, step: int | None = None,
@@ -129,11 +131,17 @@ def evaluate_solves(model_dir: str, solves: Sequence, step: int | None = None,
     """``evaluate_run`` at each of ``solves`` (``parse_solves``), the run's own solver and N
     among them always, so that every other setting has its depth gap."""
     from ode_lm.gin_setup import run_dir
-    from ode_lm.training.metric_names import Solve
     from ode_lm.training.saved_run import load_run
 
     run = load_run(model_dir, step, read_run=run_dir)
-    evaluator = run.evaluator(split)
+    return _own_and(run, run.evaluator(split), solves, atol)
+
+
+def _own_and(run, evaluator, solves: Sequence, atol: float | None) -> dict[str, float]:
+    """``solves`` and the run's own solver and N (evaluated too when not among them), so
+    that every other setting has its gap to it."""
+    from ode_lm.training.metric_names import Solve
+
     own = [] if "" in evaluator.settings(solves) else [Solve()]
     return _with_gaps(run, evaluator.evaluate(run.params, [*own, *solves], atol=atol))
 
@@ -215,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
         results = _evaluate(args, steps, solves)
     for k, v in results.items():
         print(f"{k}: {v:.4f}")
-    if solves is not None:
+    from ode_lm.training.metric_names import GAP_PREFIX
+
+    if any(k.startswith(GAP_PREFIX) for k in results):  # another setting than the own
         print(gap_lines(results))
     if args.log:
         print(f"logged to {path} at step {int(results['step'])}")

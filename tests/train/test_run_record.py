@@ -407,6 +407,21 @@ def test_eval_log_on_a_run_in_training_is_refused_before_it_evaluates(work, fini
     assert tree_hash(finished) == before
 
 
+@slow
+def test_eval_at_another_n_prints_its_gap_to_the_runs_own(work, finished):
+    """``eval --num_steps=4`` on a run trained at N=2 evaluates the own N too and prints the
+    gap, as ``--solves`` does; the run is left as it was."""
+    before = tree_hash(finished)
+    r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={finished}", "--num_steps=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.splitlines()[-1])
+    gap = results["eval/perplexity@steps=4"] / results["eval/perplexity"] - 1
+    assert results["eval/depth_gap/steps=4"] == pytest.approx(gap, abs=1e-9)
+    assert any(line.startswith("steps=4: perplexity ") and f"gap {gap:+.2%}" in line
+               for line in r.stdout.splitlines()), r.stdout
+    assert tree_hash(finished) == before
+
+
 def _rot_latest(model: Path) -> int:
     """Bit rot: the latest step's array data files keep their size, their bytes random."""
     step = _ckpt_steps(model)[-1]
