@@ -78,8 +78,12 @@ def eval_rows(run_dir: str) -> list[dict]:
     own = names.name(names.PERPLEXITY)
     rows: dict[int, dict] = {}
     train: list[dict] = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON row ({e.msg} at column {e.colno}; "
+                             "a line cut short by a killed write?)") from None
         if own in row:
             rows.setdefault(row["step"], {}).update(row)
         if SPEED in row:
@@ -240,9 +244,10 @@ def summary_rows(records: list[dict], baseline: str | None) -> list[dict] | None
     return summarise(records, baseline)
 
 
-def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
+def plot(runs: list[tuple[str, str, int | None]], out: str) -> str:
     """Gap (%) against the run's own N versus training step: RK4 N=8, adaptive, the run's
-    own solver at N=4 and N=24 (left), and at N=3 (right, its own scale)."""
+    own solver at N=4 and N=24 (left), and at N=3 (right, its own scale); returns the file
+    written (a PNG when `out` has no suffix)."""
     read = [(name, read_run(run_dir)) for name, run_dir, _ in runs]  # each refused before
     import matplotlib  # any drawing: a run without gap metrics writes no file
 
@@ -267,7 +272,10 @@ def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
+    if not Path(out).suffix:  # matplotlib would add its default one: say the name it gets
+        out = f"{out}.png"
     fig.savefig(out, dpi=120)
+    return out
 
 
 def _gap(run: Run, row: dict, setting: str) -> float:
@@ -312,6 +320,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> i
 
 
 def run(args: argparse.Namespace) -> int:
+    for flag in ("out", "json"):  # where the results go, before any run is read
+        if getattr(args, flag):
+            cli.check_out_file(getattr(args, flag), f"--{flag}")
     if args.what == "table":
         records = table_data(args.runs)
         summary = summary_rows(records, args.baseline)
@@ -326,6 +337,5 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(data, f, indent=1)
             print(f"wrote {args.json}")
     else:
-        plot(args.runs, args.out)
-        print(f"wrote {args.out}")
+        print(f"wrote {plot(args.runs, args.out)}")
     return 0
