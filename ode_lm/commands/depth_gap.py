@@ -94,15 +94,20 @@ def eval_rows(run_dir: str) -> list[dict]:
     return [rows[s] for s in sorted(rows)]
 
 
-def read_run(run_dir: str) -> Run:
+def read_run(run_dir: str, *, discrete_ok: bool = False) -> Run:
     """The run's eval rows, and its own solver and N from its ``model_config.json``; a run
-    with no eval yet, or whose evals measured no other setting, has no gap to show."""
+    with no eval yet, or an ODE run whose evals measured no other setting, has no gap to
+    show. ``discrete_ok`` (the table): a discrete baseline (sequential, parallel) is its own
+    figure alone, at its depth (``num_layers``), beside the ODE runs it is compared with."""
     rows = eval_rows(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}: no eval in its metrics yet (the run stopped before its "
                          "first eval?)")
     config = RunDir(run_dir).model_config()
-    run = Run(rows, config.solver, config.num_steps)
+    discrete = config.architecture != "ode"
+    run = Run(rows, config.solver, config.num_layers if discrete else config.num_steps)
+    if discrete and discrete_ok:
+        return run
     if not any(run.has_gap(row) for row in rows):
         raise ValueError(f"{run_dir}: no depth-gap metrics (its evals measured only its own "
                          "solver and N: set TrainConfig.eval_num_steps or eval_solves)")
@@ -130,7 +135,7 @@ def table_data(runs: list[tuple[str, str, int | None]]) -> list[dict]:
     and ``format_table`` prints."""
     records = []
     for name, run_dir, step in runs:
-        run = read_run(run_dir)
+        run = read_run(run_dir, discrete_ok=True)
         row = run.rows[-1] if step is None else next(
             (r for r in run.rows if r["step"] == step), None)
         if row is None:

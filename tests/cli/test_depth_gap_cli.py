@@ -200,3 +200,22 @@ def test_depth_gap_names_a_cut_line_and_the_file_it_wrote(tmp_path):
     rc, out, err = ode_lm("table", f"r={run}")
     assert rc == 1 and len(err.splitlines()) == 1, err
     assert err.startswith(f"ode-lm depth-gap: error: {metrics}:2: not a JSON row ("), err
+
+
+def test_depth_gap_table_shows_a_discrete_baseline_at_its_own_depth(tmp_path):
+    """docs/depth.md's fortunes table: sequential and parallel baselines (no N to vary, so
+    no gap metrics) sit beside the ODE run, their own figure at their depth; an ODE run
+    without gap metrics is still refused."""
+    ode_rows = [{"step": 300, "eval/perplexity": 142.2, "eval/perplexity@steps=3": 144.7}]
+    ode = _write_run(tmp_path / "ode", ode_rows, num_steps=6, solver="euler")
+    base = _write_run(tmp_path / "seq", [{"step": 300, "eval/perplexity": 188.8}],
+                      architecture="sequential", num_layers=4, num_steps=6)
+    lines = tool.table([("ODE", ode, None), ("sequential, 4 layers", base, None)]).splitlines()
+    cells = [c.strip() for c in lines[-1].split("|")[1:-1]]
+    head = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert cells[:2] == ["sequential, 4 layers", "300"]
+    assert cells[head.index("Euler N=4")] == "**188.8**"
+    assert {c for i, c in enumerate(cells) if i > 1 and head[i] != "Euler N=4"} <= {"–"}
+    with pytest.raises(ValueError, match="no depth-gap metrics"):
+        tool.table([("ODE", _write_run(tmp_path / "flat", [{"step": 1, "eval/perplexity": 9.0}],
+                                       num_steps=6, solver="euler"), None)])
