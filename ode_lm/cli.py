@@ -213,6 +213,28 @@ def run_command(prog: str, body: Callable[[], int | None], *, verbose: bool = Fa
         return int(body() or 0)
     except (*user_errors(), *errors) as e:
         return report_error(prog, e, verbose)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, no traceback, 130
+        return report_interrupt(prog, e)
+
+
+EXIT_INTERRUPTED = 130
+
+
+def report_interrupt(prog: str, e: BaseException | None = None) -> int:
+    """Ctrl-C, for every command: one stderr line (the interrupt's own words when it has
+    any: the trainer's second press names the latest checkpoint), exit 130. Said once when
+    wrappers nest (the dispatcher's around the command's own)."""
+    if debug():
+        raise e if e is not None else KeyboardInterrupt
+    global _interrupt_reported
+    if not _interrupt_reported:
+        _interrupt_reported = True
+        text = str(e) if e is not None and str(e) else "stopped by Ctrl-C"
+        print(f"{prog}: {text}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+_interrupt_reported = False
 
 
 def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
@@ -299,9 +321,9 @@ def run_gin_cli(
         distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead
         return report_error(prog, e, verbose)
     except KeyboardInterrupt as e:  # a second Ctrl-C (the trainer's StopNow), or one outside
-        print(f"{prog}: {e or 'stopped by Ctrl-C outside the train loop; nothing more saved'}",
-              file=sys.stderr)  # the loop: one line, no traceback
-        return 130
+        return report_interrupt(  # the loop: one line, no traceback
+            prog, e if str(e) else KeyboardInterrupt(
+                "stopped by Ctrl-C outside the train loop; nothing more saved"))
     return report(result)
 
 

@@ -23,6 +23,7 @@ Holdout rule (independent of workers, hosts and document order): a document goes
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import itertools
 import json
@@ -157,6 +158,29 @@ def _valid_marker(root: epath.Path, chunk: int) -> dict[str, Any] | None:
     return marker
 
 
+@contextlib.contextmanager
+def _ctrl_c_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while a pool worker may be started: a started process
+    keeps the mask through its exec, so the terminal's Ctrl-C (sent to the whole process
+    group) reaches only this process, which stops the pool; a press meanwhile is delivered
+    when the block ends."""
+    import signal
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _ignore_ctrl_c() -> None:
+    """A worker's Ctrl-C (the terminal sends it to the whole process group) is the main
+    process's to handle: it stops the pool; a worker's own would print a traceback each."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _chunks(docs: Iterable[sources_lib.Document], n: int) -> Iterator[list[sources_lib.Document]]:
     it = iter(docs)
     while chunk := list(itertools.islice(it, n)):
@@ -284,7 +308,8 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
     markers: dict[int, dict[str, Any]] = {}
     pool = None
     if num_proc > 1:
-        pool = cf.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"))
+        pool = cf.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_ignore_ctrl_c)
     pending: dict[cf.Future, int] = {}
     num_docs = 0
     num_chunks = 0
@@ -301,7 +326,9 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
                     done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                     for f in done:
                         markers[pending.pop(f)] = f.result()
-                fut = pool.submit(_process_chunk, os.fspath(root), chunk, docs, settings, dtype)
+                with _ctrl_c_blocked():  # a worker started here never sees a Ctrl-C
+                    fut = pool.submit(_process_chunk, os.fspath(root), chunk, docs, settings,
+                                      dtype)
                 pending[fut] = chunk
             if bar is not None:
                 bar.update(len(docs))

@@ -129,3 +129,28 @@ def test_prepare_refuses_a_data_dir_whose_source_changed(tmp_path):
         assert said in err and "new documents would not be read" in err, err
         assert r.stdout == "", r.stdout  # no old counts
         assert tree_hash(data) == before
+
+
+def test_ctrl_c_in_prepare_is_one_line_and_130(tmp_path):
+    """Ctrl-C pressed as a terminal does (the whole process group, workers included): one
+    stderr line, no worker's traceback, exit 130; the finished chunks stay for the rerun."""
+    import shutil
+    import signal
+    import time
+
+    script = shutil.which("ode-lm") or pytest.skip("the ode-lm script is not on PATH")
+    src = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "a vector field integrated over depth, step by step " * 4})
+    src.write_text((line + "\n") * 200_000)
+    env = cli_env(tmp_path / "xla_cache")
+    proc = subprocess.Popen([script, "prepare", f"--source={src}", "--tokenizer=bytes",
+                             f"--data_dir={tmp_path / 'data'}", "--num_proc=2",
+                             "--docs_per_shard=2000", "--no_progress"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(5)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-3000:])
+    assert [x for x in err.splitlines() if x.strip()] == ["ode-lm prepare: stopped by Ctrl-C"], \
+        err[-3000:]

@@ -422,6 +422,27 @@ def test_eval_at_another_n_prints_its_gap_to_the_runs_own(work, finished):
     assert tree_hash(finished) == before
 
 
+@slow
+@pytest.mark.parametrize("command", ["eval", "sample"])
+def test_ctrl_c_outside_training_is_one_line_and_130(work, finished, command):
+    """Ctrl-C in ``eval`` (mid-evaluation) and ``sample`` (compiling), pressed as a terminal
+    does (the whole process group): one stderr line, no traceback, no crash, exit 130, the
+    run left as it was."""
+    before = tree_hash(finished)
+    argv = {"eval": ["--num_steps=64,128,256,512"],
+            "sample": ["--prompt=The", "--max_new_tokens=24", "--num_steps=4096"]}[command]
+    proc = subprocess.Popen([shutil.which("ode-lm") or pytest.skip("no ode-lm script"),
+                             command, f"--model_dir={finished}", *argv], cwd=REPO,
+                            env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    time.sleep({"eval": 12, "sample": 7}[command])  # restored, evaluating or compiling
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-3000:])
+    assert _lines(err) == [f"ode-lm {command}: stopped by Ctrl-C"], err[-3000:]
+    assert tree_hash(finished) == before
+
+
 def _rot_latest(model: Path) -> int:
     """Bit rot: the latest step's array data files keep their size, their bytes random."""
     step = _ckpt_steps(model)[-1]
