@@ -263,6 +263,22 @@ def trim_after(jsonl_path: str, event_paths: list[str], step: int) -> int:
     return dropped
 
 
+def logged_keys(jsonl_path: str, step: int) -> set[str]:
+    """Every key of the rows logged at ``step`` (a torn line skipped): what the trainer
+    asks to learn whether a finished run's final eval ran."""
+    keys: set[str] = set()
+    if os.path.exists(jsonl_path):
+        with open(jsonl_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("step") == step:
+                    keys.update(row)
+    return keys
+
+
 def _jsonl_step(line: str) -> float:
     try:
         return json.loads(line).get("step", -1)

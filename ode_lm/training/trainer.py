@@ -223,6 +223,8 @@ class Trainer:
         self.state = state
         if start >= cfg.num_train_steps:  # the record changes only with training
             self.check_prepared_data()  # a bad data setting is still an error, read-only
+            if start == cfg.num_train_steps and self._final_eval_missing(start):
+                return self._final_eval_only(start, state)
             self.print(f"nothing to train: MODEL_DIR is at step {start} ≥ "
                        f"TRAIN_STEPS={cfg.num_train_steps}")
             return TrainResult(cfg.model_dir, start, None, None, {}, nothing_to_train=True)
@@ -261,6 +263,37 @@ class Trainer:
         self._write_result(result)
         return result
 
+    def _final_eval_missing(self, step: int) -> bool:
+        """Whether a run at its last step logged no eval there: its final eval was stopped
+        (a Ctrl-C during it), so the summary and its table were never written."""
+        if not self.evals:
+            return False
+        keys = metrics_lib.logged_keys(self.run_dir.metrics, step)
+        return not any(metric_names.parse(k) is not None for k in keys)
+
+    def _final_eval_only(self, step: int, state: Any) -> TrainResult:
+        """The final eval a stopped run skipped, on its last checkpoint, logged as the loop
+        logs it; the result is a finished run's (its summary, table, fine-tune result)."""
+        self.print(f"MODEL_DIR is at step {step} = TRAIN_STEPS, but its final eval did not "
+                   "run (stopped by Ctrl-C?): running it now")
+        own_train, own_eval = self.own_data
+        if own_train:  # the data step's checks (and the progress line's batch count)
+            manifest = prepare_data_once(self.data_config)
+            self.evaluator.num_batches = check_vocab(self.model_config, self.data_config,
+                                                     manifest, evaluate=own_eval)
+        writer = metrics_lib.create_writer(self.run_dir)
+        try:
+            with jax.set_mesh(self.mesh):
+                results = self.evaluate(state["params"], step)
+            self._log_eval(writer, step, results)
+        finally:
+            writer.flush()
+            writer.close()
+        result = TrainResult(self.cfg.model_dir, step, None, None, results,
+                             eval_settings=self.eval_settings)
+        self._write_result(result)
+        return result
+
     def _hooks(self, writer: metrics_lib.MetricWriter, saved: int | None) -> Hooks:
         """This run's hooks, in order (``hooks.py``), then the ones added."""
         cfg, data = self.cfg, self.data_config
@@ -277,12 +310,12 @@ class Trainer:
         self._metrics = StepReader(window, writer, self.print, max_bad_steps=cfg.max_bad_steps,
                                    scalars=data_scalars(data))
         self._saver = Save(self.checkpointer, self._metrics, self._write_run_files, saved=saved)
+        self._watcher = PreemptionWatcher()
         self._eval = Evaluate(self.evaluate, lambda step, results: self._log_eval(
-            writer, step, results), self._metrics)
+            writer, step, results), self._metrics, final=self._watcher.interruptible)
         hooks = Hooks()
         hooks.add(self._metrics.read, every=1)
         hooks.add(self._metrics.log, every=cfg.log_every)
-        self._watcher = PreemptionWatcher()
         hooks.add(self._watcher, every=1)
         hooks.add(self._saver, every=1)
         hooks.add(self._eval, every=cfg.eval_every or cfg.num_train_steps)

@@ -297,12 +297,28 @@ def _press(work: Path, name: str, steps: int, patch: str) -> tuple[subprocess.Co
 
 
 @slow
-def test_ctrl_c_during_the_final_eval_stops_as_during_training(work, finished):
+def test_ctrl_c_during_the_final_eval_stops_it_and_a_rerun_runs_it(work, finished):
+    """A first Ctrl-C during the final eval ends it at once (the last step is saved), not
+    after it; the rerun of the same command, with nothing to train, runs the eval it
+    skipped and writes the summary and its table."""
     r, model = _press(work, "ctrl_c_final_eval", 3, _DURING_FINAL_EVAL)
     assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
     assert _lines(r.stderr) == [], r.stderr[-3000:]
     assert _lines(r.stdout)[-1] == "stopped by Ctrl-C after step 3; checkpoint saved", r.stdout
     assert _ckpt_steps(model) == [3]
+    assert not any("eval/loss" in row for row in _rows(model))  # stopped, not finished
+    assert not (model / "summary.json").exists()
+    r = _cmd(work, ["-m", "ode_lm", "train", f"--gin_file={work / 'ctrl_c_final_eval.gin'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "its final eval did not run (stopped by Ctrl-C?): running it now" in r.stdout
+    assert any(line.startswith("one set of weights") for line in r.stdout.splitlines())
+    assert json.loads((model / "summary.json").read_text())["steps"] == 3
+    assert [row["step"] for row in _rows(model) if "eval/loss" in row] == [3]
+    assert _ckpt_steps(model) == [3]
+    before = tree_hash(model)  # and then: nothing to train, nothing changed
+    r = _cmd(work, ["-m", "ode_lm", "train", f"--gin_file={work / 'ctrl_c_final_eval.gin'}"])
+    assert r.returncode == 0 and "nothing to train" in r.stdout, r.stdout
+    assert tree_hash(model) == before
 
 
 @slow
@@ -648,3 +664,21 @@ def test_second_sigint_raises_stop_now():
         w.uninstall()
     assert signal.getsignal(signal.SIGINT) is before
 
+
+
+def test_a_first_ctrl_c_ends_the_final_eval_at_once():
+    from ode_lm.training.preemption import PreemptionWatcher, StopEval
+
+    before = signal.getsignal(signal.SIGINT)
+    w = PreemptionWatcher().install()
+    try:
+        with pytest.raises(StopEval), w.interruptible():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # the handler runs here: the eval does not go on
+            raise AssertionError("the eval went on after Ctrl-C")
+        assert w.reason == "Ctrl-C" and w.should_stop(3)
+        with pytest.raises(StopEval), w.interruptible():  # pressed before: never begins
+            raise AssertionError("an eval begun after Ctrl-C")
+    finally:
+        w.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
