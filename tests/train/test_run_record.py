@@ -682,3 +682,21 @@ def test_a_first_ctrl_c_ends_the_final_eval_at_once():
     finally:
         w.uninstall()
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_long_first_batch_is_not_silent():
+    """``eval --num_steps=100000``: the first batch solves for minutes; the progress line
+    says so every ``every_s`` instead of nothing, and stops with the pass."""
+    from ode_lm.training.metrics import Progress
+
+    shown = []
+    p = Progress("eval@steps=100000", 4, every_s=0.1, log_fn=shown.append, heartbeat=True)
+    time.sleep(0.5)
+    p.update(1)
+    p.done()
+    count = len(shown)
+    time.sleep(0.3)
+    assert len(shown) == count  # the heartbeat ended with the pass
+    assert shown[0].startswith("eval@steps=100000: 0/4 batches | 0s on the first "
+                               "(compile + run)"), shown
+    assert shown[-1].startswith("eval@steps=100000: 1/4 batches | "), shown
