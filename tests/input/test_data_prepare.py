@@ -196,3 +196,27 @@ def test_split_warnings_never_advise_the_holdout_given_or_one_below_zero():
         [line] = warnings(train, val, fraction)
         advised = re.search(r"with --holdout_fraction=([0-9.]+)$", line)
         assert advised is None or float(advised.group(1)) > fraction, line
+
+
+def test_train_flags_a_data_dir_whose_source_grew(tmp_path, caplog):
+    """``ensure_prepared`` (the trainer's data step) uses the data as prepared but says, in
+    one warning, that its source changed since: nothing silently left out."""
+    import json
+    import logging
+
+    from ode_lm.data import DataConfig, ensure_prepared
+
+    src = tmp_path / "a.jsonl"
+    docs = [json.dumps({"text": f"document {i} about solvers"}) + "\n" for i in range(60)]
+    src.write_text("".join(docs[:20]))
+    cfg = DataConfig(source=str(src), tokenizer="bytes", data_dir=str(tmp_path / "d"),
+                     holdout_fraction=0.1)
+    first = ensure_prepared(cfg)
+    src.write_text("".join(docs))
+    with caplog.at_level(logging.WARNING, logger="ode_lm"):
+        again = ensure_prepared(cfg)
+        ensure_prepared(cfg)  # said once
+    assert again["splits"] == first["splits"]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and f"whose file {src} changed since" in said[0], said
+    assert "the data as prepared is used" in said[0]
