@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -279,6 +280,7 @@ def plot(runs: list[tuple[str, str, int | None]], out: str) -> str:
     fig.tight_layout()
     if not Path(out).suffix:  # matplotlib would add its default one: say the name it gets
         out = f"{out}.png"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     return out
 
@@ -325,9 +327,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> i
 
 
 def run(args: argparse.Namespace) -> int:
-    for flag in ("out", "json"):  # where the results go, before any run is read
-        if getattr(args, flag):
-            cli.check_out_file(getattr(args, flag), f"--{flag}")
+    # where the results go, before any run is read (the plot's directory is made for it)
+    if args.out and os.path.isdir(args.out):
+        raise IsADirectoryError(f"--out={args.out}: is a directory, not a file")
+    if args.json:
+        cli.check_out_file(args.json)
     if args.what == "table":
         records = table_data(args.runs)
         summary = summary_rows(records, args.baseline)

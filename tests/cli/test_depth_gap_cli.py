@@ -170,8 +170,9 @@ def test_depth_gap_baseline_refuses_unnamed_runs_an_unknown_group_and_twice_a_se
 
 def test_depth_gap_names_a_cut_line_and_the_file_it_wrote(tmp_path):
     """Through the installed ``ode-lm``: a metrics line cut short is one line naming the
-    file and line; ``plot --out=gap`` says the name it wrote (``gap.png``); an --out in a
-    directory that does not exist is refused before any run is read."""
+    file and line; ``plot --out=gap`` says the name it wrote (``gap.png``); an --out that is
+    a directory, or a --json in a directory that does not exist, is refused before any run
+    is read."""
     import os
     import shutil
     import subprocess
@@ -192,8 +193,11 @@ def test_depth_gap_names_a_cut_line_and_the_file_it_wrote(tmp_path):
     rc, out, err = ode_lm("plot", f"--out={tmp_path / 'gap'}", f"r={run}")
     assert rc == 0 and out.strip() == f"wrote {tmp_path / 'gap.png'}", (out, err)
     assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
-    rc, out, err = ode_lm("plot", f"--out={tmp_path / 'nope' / 'gap.png'}", f"r={run}")
-    assert rc == 1 and err == (f"ode-lm depth-gap: error: --out={tmp_path / 'nope' / 'gap.png'}: "
+    rc, out, err = ode_lm("plot", f"--out={tmp_path}", f"r={run}")
+    assert rc == 1 and err == (f"ode-lm depth-gap: error: --out={tmp_path}: is a directory, "
+                               "not a file"), err
+    rc, out, err = ode_lm("table", f"--json={tmp_path / 'nope' / 't.json'}", f"r={run}")
+    assert rc == 1 and err == (f"ode-lm depth-gap: error: --json={tmp_path / 'nope' / 't.json'}: "
                                f"directory {tmp_path / 'nope'} does not exist"), err
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.write_text(metrics.read_text()[:-20])  # a write cut short
