@@ -100,11 +100,46 @@ def check_solver_flags(solver: str | None, rtol: float | None, atol: float | Non
         raise UsageError(f"--atol={atol}: must be >= 0")
 
 
+def check_tolerances_used(solver: str | None, rtol: float | None, atol: float | None,
+                          model_dir: str | None = None) -> None:
+    """``--rtol``/``--atol`` set only an adaptive solve: with a fixed-grid ``--solver`` (or,
+    without one, a run whose own solver is fixed-grid, read from its model config) they
+    would be ignored without a word, so they are refused in one line, before a restore."""
+    if rtol is None and atol is None:
+        return
+    from ode_lm.models import solvers as solvers_lib
+
+    whose = f"--solver={solver}"
+    if solver is None and model_dir is not None:
+        from ode_lm.training.run_dir import RunDir
+
+        try:
+            solver, whose = RunDir(model_dir).model_config().solver, "the run's own solver"
+        except (OSError, ValueError, TypeError):
+            return  # no readable run: the restore says so
+    if solver is None or solvers_lib.is_adaptive(solver):
+        return
+    flag = f"--rtol={rtol}" if rtol is not None else f"--atol={atol}"
+    raise UsageError(f"{flag}: {whose} ({solver}) is fixed-grid and takes no tolerance; "
+                     "add --solver=adaptive (or dopri5) to solve adaptively")
+
+
 def check_out_dir(path: str, flag: str = "--out") -> None:
     """A directory flag that names an existing file: one line naming it, before any work
     (``os.makedirs`` would say only ``[Errno 17] File exists``)."""
     if os.path.exists(path) and not os.path.isdir(path):
         raise FileExistsError(f"{flag}={path}: is a file, not a directory")
+
+
+def check_out_file(path: str, flag: str = "--json") -> None:
+    """An output file flag, before any work: one that names a directory, or lies in a
+    directory that does not exist, is one line naming it (``open`` would fail only after
+    the work, with a bare ``[Errno 21]``)."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{flag}={path}: is a directory, not a file")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{flag}={path}: directory {parent} does not exist")
 
 
 _RST_LITERAL = re.compile(r"``([^`]+)``")
@@ -178,6 +213,28 @@ def run_command(prog: str, body: Callable[[], int | None], *, verbose: bool = Fa
         return int(body() or 0)
     except (*user_errors(), *errors) as e:
         return report_error(prog, e, verbose)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, no traceback, 130
+        return report_interrupt(prog, e)
+
+
+EXIT_INTERRUPTED = 130
+
+
+def report_interrupt(prog: str, e: BaseException | None = None) -> int:
+    """Ctrl-C, for every command: one stderr line (the interrupt's own words when it has
+    any: the trainer's second press names the latest checkpoint), exit 130. Said once when
+    wrappers nest (the dispatcher's around the command's own)."""
+    if debug():
+        raise e if e is not None else KeyboardInterrupt
+    global _interrupt_reported
+    if not _interrupt_reported:
+        _interrupt_reported = True
+        text = str(e) if e is not None and str(e) else "stopped by Ctrl-C"
+        print(f"{prog}: {text}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+_interrupt_reported = False
 
 
 def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
@@ -264,9 +321,9 @@ def run_gin_cli(
         distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead
         return report_error(prog, e, verbose)
     except KeyboardInterrupt as e:  # a second Ctrl-C (the trainer's StopNow), or one outside
-        print(f"{prog}: {e or 'stopped by Ctrl-C outside the train loop; nothing more saved'}",
-              file=sys.stderr)  # the loop: one line, no traceback
-        return 130
+        return report_interrupt(  # the loop: one line, no traceback
+            prog, e if str(e) else KeyboardInterrupt(
+                "stopped by Ctrl-C outside the train loop; nothing more saved"))
     return report(result)
 
 

@@ -228,11 +228,16 @@ def generate(
     solver = config.solver if solver is None else solver
     solvers.check_solver(solver, adaptive_ok=True)
     tokens, valid = left_pad(prompts, min_width=min_width)
-    if tokens.shape[1] + max_new_tokens > config.max_seq_len and config.flavour == "gpt2":
+    width, limit = tokens.shape[1], config.max_seq_len
+    if width + max_new_tokens > limit and config.flavour == "gpt2":
+        if width >= limit:  # the prompt alone: no --max_new_tokens would fit
+            raise UsageError(f"--prompt: {width} tokens, but the model learned {limit} "
+                             f"positions (max_seq_len) and needs room for a new token: "
+                             f"shorten it to at most {limit - 1} tokens")
         raise UsageError(
-            f"--max_new_tokens={max_new_tokens}: the prompt ({tokens.shape[1]}) + "
-            f"max_new_tokens exceeds the learned positions (max_seq_len={config.max_seq_len})"
-        )
+            f"--max_new_tokens={max_new_tokens}: the prompt ({width}) + max_new_tokens "
+            f"exceeds the learned positions (max_seq_len={limit}): at most {limit - width} "
+            "new tokens fit")
     graphdef, state = nnx.split(model)
     if solvers.is_adaptive(solver):
         if config.architecture != "ode":

@@ -280,15 +280,15 @@ def run_dir(path: str) -> RunDir:
 
 
 class _Reference:
-    def __init__(self, name: str, macro: bool):
-        self.name, self.macro = name, macro
+    def __init__(self, name: str, macro: bool, evaluate: bool = False):
+        self.name, self.macro, self.evaluate = name, macro, evaluate
 
 
 class _Literals(config_parser.ParserDelegate):
     """gin parser delegate: keep macro names (to follow), mark configurable references."""
 
     def configurable_reference(self, scoped_name, evaluate):
-        return _Reference(scoped_name, macro=False)
+        return _Reference(scoped_name, macro=False, evaluate=evaluate)
 
     def macro(self, macro_name):
         return _Reference(macro_name, macro=True)
@@ -325,30 +325,64 @@ def literal_bindings(text: str, selector: str) -> dict[str, Any]:
 
 def config_changes(old: str, new: str, limit: int = 6, *, model_dir: str | None = None
                    ) -> list[str]:
-    """``NAME old → new`` for each binding or macro that differs between two operative gin
-    configs (gin's parser, nothing bound); at most ``limit`` entries, then ``+k more``.
-    A binding whose new value is ``model_dir`` is where the run lives (a moved or copied
-    run), not how it trains: not a change."""
+    """``NAME old → new`` for each binding or macro whose value differs between two
+    operative gin configs (gin's parser, nothing bound); at most ``limit`` entries, then
+    ``+k more``. Values are compared as values (a list of ``@Term()`` references by their
+    names, ``1e-3`` equal to ``0.001``, a list equal to the tuple gin writes back), so a
+    hand-edited or re-rendered file is no change. A binding whose new value is
+    ``model_dir`` is where the run lives (a moved or copied run), not how it trains."""
     a, b = _gin_values(old), _gin_values(new)
-    here = repr(model_dir) if model_dir is not None else None
-    changes = [f"{k} {a.get(k, '(unset)')} → {b.get(k, '(unset)')}"
-               for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k) and b.get(k) != here]
+    here = _canonical(model_dir) if model_dir is not None else None
+    changes = [f"{k} {_shown(a.get(k, _UNSET))} → {_shown(b.get(k, _UNSET))}"
+               for k in sorted(set(a) | set(b))
+               if a.get(k, _UNSET) != b.get(k, _UNSET) and b.get(k, _UNSET) != here]
     if len(changes) > limit:
         changes = [*changes[:limit], f"+{len(changes) - limit} more"]
     return changes
 
 
-def _gin_values(text: str) -> dict[str, str]:
+def _gin_values(text: str) -> dict[str, Any]:
     out = {}
     for stmt in _bindings(text):
         key = stmt.selector if stmt.arg_name == "" else f"{stmt.selector}.{stmt.arg_name}"
         key = f"{stmt.scope}/{key}" if stmt.scope else key
-        value = stmt.value
-        if isinstance(value, _Reference):
-            out[key] = ("%" if value.macro else "@") + value.name
-        else:
-            out[key] = repr(value)
+        out[key] = _canonical(stmt.value)
     return out
+
+
+class _Ref(tuple):
+    """A configurable reference or macro as a comparable value: ``@name``, ``@name()``,
+    ``%name``."""
+
+    def __repr__(self) -> str:
+        return "".join(self)
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+_UNSET = _Unset()
+
+
+def _canonical(value: Any) -> Any:
+    """A parsed gin value as something ``==`` compares by value: references by name,
+    lists as tuples (what the config classes make of them), dicts by items."""
+    if isinstance(value, _Reference):
+        return _Ref(("%" if value.macro else "@", value.name,
+                     "()" if value.evaluate else ""))
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted(((k, _canonical(v)) for k, v in value.items()), key=repr))
+    return value
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, tuple) and not isinstance(value, _Ref):
+        return "(" + ", ".join(map(_shown, value)) + ("," if len(value) == 1 else "") + ")"
+    return repr(value)
 
 
 class _MacrosInOrder(config_parser.ParserDelegate):

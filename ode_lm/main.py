@@ -11,6 +11,7 @@ run). Each error is one line on stderr, ``ode-lm <command>: error: ...``.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -77,4 +78,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ode_lm import distributed
 
         distributed.exit_process(code)  # a multi-process CPU job's gloo teardown can hang
+    if argv is None and code == cli.EXIT_INTERRUPTED and "jax" in sys.modules:
+        # stopped by Ctrl-C, maybe inside an XLA compile or a worker thread: leave without
+        # the interpreter's teardown, which could crash on their half-finished state
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code

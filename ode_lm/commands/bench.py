@@ -100,6 +100,8 @@ def _validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     args.sections = sections
     if args.json:
         parent = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json):
+            p.error(f"--json={args.json!r}: is a directory, not a file")
         if not os.path.isdir(parent):
             p.error(f"--json={args.json!r}: directory {parent} does not exist")
     if args.checkpoint_rounds < 1:

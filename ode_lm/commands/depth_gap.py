@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 from collections.abc import Sequence
@@ -78,8 +79,12 @@ def eval_rows(run_dir: str) -> list[dict]:
     own = names.name(names.PERPLEXITY)
     rows: dict[int, dict] = {}
     train: list[dict] = []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON row ({e.msg} at column {e.colno}; "
+                             "a line cut short by a killed write?)") from None
         if own in row:
             rows.setdefault(row["step"], {}).update(row)
         if SPEED in row:
@@ -90,15 +95,20 @@ def eval_rows(run_dir: str) -> list[dict]:
     return [rows[s] for s in sorted(rows)]
 
 
-def read_run(run_dir: str) -> Run:
+def read_run(run_dir: str, *, discrete_ok: bool = False) -> Run:
     """The run's eval rows, and its own solver and N from its ``model_config.json``; a run
-    with no eval yet, or whose evals measured no other setting, has no gap to show."""
+    with no eval yet, or an ODE run whose evals measured no other setting, has no gap to
+    show. ``discrete_ok`` (the table): a discrete baseline (sequential, parallel) is its own
+    figure alone, at its depth (``num_layers``), beside the ODE runs it is compared with."""
     rows = eval_rows(run_dir)
     if not rows:
         raise ValueError(f"{run_dir}: no eval in its metrics yet (the run stopped before its "
                          "first eval?)")
     config = RunDir(run_dir).model_config()
-    run = Run(rows, config.solver, config.num_steps)
+    discrete = config.architecture != "ode"
+    run = Run(rows, config.solver, config.num_layers if discrete else config.num_steps)
+    if discrete and discrete_ok:
+        return run
     if not any(run.has_gap(row) for row in rows):
         raise ValueError(f"{run_dir}: no depth-gap metrics (its evals measured only its own "
                          "solver and N: set TrainConfig.eval_num_steps or eval_solves)")
@@ -126,7 +136,7 @@ def table_data(runs: list[tuple[str, str, int | None]]) -> list[dict]:
     and ``format_table`` prints."""
     records = []
     for name, run_dir, step in runs:
-        run = read_run(run_dir)
+        run = read_run(run_dir, discrete_ok=True)
         row = run.rows[-1] if step is None else next(
             (r for r in run.rows if r["step"] == step), None)
         if row is None:
@@ -240,9 +250,10 @@ def summary_rows(records: list[dict], baseline: str | None) -> list[dict] | None
     return summarise(records, baseline)
 
 
-def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
+def plot(runs: list[tuple[str, str, int | None]], out: str) -> str:
     """Gap (%) against the run's own N versus training step: RK4 N=8, adaptive, the run's
-    own solver at N=4 and N=24 (left), and at N=3 (right, its own scale)."""
+    own solver at N=4 and N=24 (left), and at N=3 (right, its own scale); returns the file
+    written (a PNG when `out` has no suffix)."""
     read = [(name, read_run(run_dir)) for name, run_dir, _ in runs]  # each refused before
     import matplotlib  # any drawing: a run without gap metrics writes no file
 
@@ -267,7 +278,11 @@ def plot(runs: list[tuple[str, str, int | None]], out: str) -> None:
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
     fig.tight_layout()
+    if not Path(out).suffix:  # matplotlib would add its default one: say the name it gets
+        out = f"{out}.png"
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
+    return out
 
 
 def _gap(run: Run, row: dict, setting: str) -> float:
@@ -312,6 +327,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm depth-gap") -> i
 
 
 def run(args: argparse.Namespace) -> int:
+    # where the results go, before any run is read (the plot's directory is made for it)
+    if args.out and os.path.isdir(args.out):
+        raise IsADirectoryError(f"--out={args.out}: is a directory, not a file")
+    if args.json:
+        cli.check_out_file(args.json)
     if args.what == "table":
         records = table_data(args.runs)
         summary = summary_rows(records, args.baseline)
@@ -326,6 +346,5 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(data, f, indent=1)
             print(f"wrote {args.json}")
     else:
-        plot(args.runs, args.out)
-        print(f"wrote {args.out}")
+        print(f"wrote {plot(args.runs, args.out)}")
     return 0

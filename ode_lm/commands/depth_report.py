@@ -115,16 +115,20 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.time()
     if min(args.num_steps) < 1:
-        raise ValueError(f"--num_steps={','.join(map(str, args.num_steps))}: every entry "
-                         "must be >= 1")
+        raise cli.UsageError(f"--num_steps={','.join(map(str, args.num_steps))}: every entry "
+                             "must be >= 1")
     if min(args.rtols) <= 0:
-        raise ValueError(f"--rtols={','.join(map(str, args.rtols))}: every tolerance must "
-                         "be > 0")
+        raise cli.UsageError(f"--rtols={','.join(map(str, args.rtols))}: every tolerance "
+                             "must be > 0")
     for s in args.solvers.split(","):
         cli.check_solver_flags(s, None, args.atol, flag="--solvers")
     baseline_dirs = [d for d in (args.baselines or "").split(",") if d]
     if args.baselines is not None and not baseline_dirs:
-        raise ValueError(f"--baselines={args.baselines!r}: expected DIR,... (run directories)")
+        raise cli.UsageError(f"--baselines={args.baselines!r}: expected DIR,... (run "
+                             "directories)")
+    cli.check_out_dir(args.out)  # the outputs' places, before minutes of evaluation
+    if args.json:
+        cli.check_out_file(args.json)
     for flag, d in (("--model_dir", args.model_dir), ("--compare_dir", args.compare_dir),
                     *(("--baselines", b) for b in baseline_dirs)):
         if d is not None and not os.path.isdir(d):

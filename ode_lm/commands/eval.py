@@ -3,7 +3,9 @@
 Evaluates a saved run on its validation split: exact token-weighted loss and perplexity,
 at the trained number of ODE steps or any others (a depth sweep) with any solver, or with an
 adaptive solver (``--solver=adaptive --rtol=1e-3``: Bogacki–Shampine 3(2), or ``dopri5``),
-which also reports the mean number of vector-field evaluations (NFE) per batch. The data
+which also reports the mean number of vector-field evaluations (NFE) per batch; the run's
+own solver and N are evaluated too, and every other setting is printed with its gap to
+them. The data
 and model settings come from ``MODEL_DIR/{data,model}_config.json``; the mesh is all local
 devices.
 ``--solves="euler:4,6,8 rk4:8 adaptive:1e-3"`` evaluates several solves in one call (one
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -90,7 +93,8 @@ def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Names
                         "run's own solver and N")
     p.add_argument("--log", action="store_true",
                    help="append the results to MODEL_DIR/metrics.jsonl at the checkpoint's "
-                        "step (what ode-lm depth-gap reads)")
+                        "step (what ode-lm depth-gap reads); validation split only, refused "
+                        "at once while a run trains there")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--split", default="validation")
     p.add_argument("--lm_eval_tasks", default=None,
@@ -113,12 +117,13 @@ def evaluate_run(model_dir: str, num_steps: Sequence[int | None] = (None,),
     '@steps=M' its solver at another M, '@rk4:steps=M' another solver, '@<solver>:rtol=<r>'
     adaptive), and each setting's depth gap as the trainer logs it."""
     from ode_lm.gin_setup import run_dir
+    from ode_lm.training.evaluation import sweep_solves
     from ode_lm.training.saved_run import load_run
 
     cli.check_solver_flags(solver, rtol, atol)
+    cli.check_tolerances_used(solver, rtol, atol, model_dir)
     run = load_run(model_dir, step, read_run=run_dir)
-    sweep = run.evaluator(split).sweep(run.params, num_steps, solver, rtol=rtol, atol=atol)
-    return _with_gaps(run, sweep)
+    return _own_and(run, run.evaluator(split), sweep_solves(num_steps, solver, rtol), atol)
 
 
 def evaluate_solves(model_dir: str, solves: Sequence, step: int | None = None,
@@ -126,11 +131,17 @@ def evaluate_solves(model_dir: str, solves: Sequence, step: int | None = None,
     """``evaluate_run`` at each of ``solves`` (``parse_solves``), the run's own solver and N
     among them always, so that every other setting has its depth gap."""
     from ode_lm.gin_setup import run_dir
-    from ode_lm.training.metric_names import Solve
     from ode_lm.training.saved_run import load_run
 
     run = load_run(model_dir, step, read_run=run_dir)
-    evaluator = run.evaluator(split)
+    return _own_and(run, run.evaluator(split), solves, atol)
+
+
+def _own_and(run, evaluator, solves: Sequence, atol: float | None) -> dict[str, float]:
+    """``solves`` and the run's own solver and N (evaluated too when not among them), so
+    that every other setting has its gap to it."""
+    from ode_lm.training.metric_names import Solve
+
     own = [] if "" in evaluator.settings(solves) else [Solve()]
     return _with_gaps(run, evaluator.evaluate(run.params, [*own, *solves], atol=atol))
 
@@ -154,6 +165,7 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
     from ode_lm.training.saved_run import load_run
 
     cli.check_solver_flags(args.solver, args.rtol, args.atol)
+    cli.check_tolerances_used(args.solver, args.rtol, args.atol, args.model_dir)
     tasks = harness.parse_tasks(args.lm_eval_tasks)
     harness.task_manager(tasks, args.lm_eval_include_path)  # bad tasks/paths before the restore
     run = load_run(args.model_dir, args.step, read_run=run_dir)
@@ -166,20 +178,19 @@ def lm_eval_run(args: argparse.Namespace, steps: Sequence[int | None]) -> dict[s
 
 def log_results(model_dir: str, results: dict[str, float]) -> str:
     """Append ``results`` as one metrics row at their step, as the trainer writes its evals
-    (``metrics.JsonlWriter``), holding the run's lock (not while it trains)."""
-    from ode_lm.training import run_lock
+    (``metrics.JsonlWriter``); the caller holds the run's lock (``run``: from before the
+    evaluation, so a run training there refuses it at once)."""
     from ode_lm.training.metrics import JsonlWriter
     from ode_lm.training.run_dir import RunDir
 
     path = RunDir(model_dir).metrics
-    with run_lock.hold(model_dir):
-        writer = JsonlWriter(path)
-        try:
-            writer.write_scalars(int(results["step"]),
-                                 {k: v for k, v in results.items() if k != "step"})
-            writer.flush()
-        finally:
-            writer.close()
+    writer = JsonlWriter(path)
+    try:
+        writer.write_scalars(int(results["step"]),
+                             {k: v for k, v in results.items() if k != "step"})
+        writer.flush()
+    finally:
+        writer.close()
     return path
 
 
@@ -196,21 +207,39 @@ def run(args: argparse.Namespace) -> int:
             raise cli.UsageError(f"--solves and {other}: give one of them")
         solves = parse_solves(args.solves)
         cli.check_solver_flags(None, None, args.atol)
-    if args.lm_eval_tasks:
-        results = lm_eval_run(args, steps)
-    elif solves is not None:
-        results = evaluate_solves(args.model_dir, solves, args.step, args.split, args.atol)
+    if args.log:  # checked before any work: the split its names stand for, the lock
+        if args.split != "validation" and not args.lm_eval_tasks:
+            raise cli.UsageError(f"--log with --split={args.split}: a metrics row holds the "
+                                 "validation split's figures (what depth-gap reads); drop "
+                                 "--log to see this split's")
+        if not os.path.isdir(args.model_dir):
+            raise FileNotFoundError(f"--model_dir={args.model_dir}: no such directory")
+        from ode_lm.training import run_lock
+
+        with run_lock.hold(args.model_dir):  # not while a run trains there: refused at once
+            results = _evaluate(args, steps, solves)
+            path = log_results(args.model_dir, results)
     else:
-        results = evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
-                               args.rtol, args.atol)
+        results = _evaluate(args, steps, solves)
     for k, v in results.items():
         print(f"{k}: {v:.4f}")
-    if solves is not None:
+    from ode_lm.training.metric_names import GAP_PREFIX
+
+    if any(k.startswith(GAP_PREFIX) for k in results):  # another setting than the own
         print(gap_lines(results))
     if args.log:
-        print(f"logged to {log_results(args.model_dir, results)} at step {int(results['step'])}")
+        print(f"logged to {path} at step {int(results['step'])}")
     print(json.dumps(results))
     return 0
+
+
+def _evaluate(args: argparse.Namespace, steps: list, solves: list | None) -> dict[str, float]:
+    if args.lm_eval_tasks:
+        return lm_eval_run(args, steps)
+    if solves is not None:
+        return evaluate_solves(args.model_dir, solves, args.step, args.split, args.atol)
+    return evaluate_run(args.model_dir, steps, args.solver, args.step, args.split,
+                        args.rtol, args.atol)
 
 
 def gap_lines(results: dict[str, float]) -> str:

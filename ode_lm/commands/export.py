@@ -29,13 +29,15 @@ def build_parser(prog: str = "ode-lm export") -> argparse.ArgumentParser:
                    help="export directory (created; must be empty unless --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --out: the new export is written beside it and "
-                        "swapped in when complete (the old one stays if the export fails)")
+                        "swapped in when complete and checked (the old one stays if the export or "
+                        "--verify fails)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--num_steps", type=int, default=None,
                    help="hf: materialise the ODE at M Euler steps (default: the run's)")
     p.add_argument("--dtype", default="fp32", help="fp32 | bf16")
     p.add_argument("--verify", action="store_true",
-                   help="load the export back and compare logits with ode-lm")
+                   help="load the export back and compare logits with ode-lm, before it is "
+                        "moved to --out")
     p.add_argument("--data_dir", default=None,
                    help="prepared data dir whose tokenizer to copy (default: the run's)")
     p.add_argument("--weights_only", action="store_true",

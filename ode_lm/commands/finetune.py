@@ -30,8 +30,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "ode-lm-finetune") -> in
 
     def entry():
         from ode_lm import gin_setup  # imported once the flags parse (not for --help)
+        from ode_lm.training.inputs import data_dirs_kept_as_found
 
-        return gin_setup.finetune()
+        model_dir = gin_setup.query("finetune.model_dir")
+        while str(model_dir).startswith("%"):  # a macro (MODEL_DIR): its value
+            model_dir = gin_setup.query(str(model_dir))
+        # a fine-tune refused before its first checkpoint (another tokenizer than the
+        # pretrained run's) leaves no data dir prepared with the refused settings
+        with data_dirs_kept_as_found(gin_setup.GinDataConfig(), str(model_dir)):
+            return gin_setup.finetune()
 
     return run_gin_cli(argv, prog=prog, entry=entry, report=report,
                        description=DESCRIPTION, example=EXAMPLE, require_files=True)

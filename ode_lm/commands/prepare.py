@@ -92,16 +92,19 @@ def split_warnings(manifest: dict[str, Any]) -> list[str]:
     total, fraction = train + val, manifest["holdout"]["fraction"]
     out = []
     if train < row:
+        lower = f" or a lower --holdout_fraction (now {fraction})" if fraction > 0 else ""
         out.append(f"split 'train' has {train} tokens, fewer than one batch of the demo's model "
-                   f"({DEMO_BATCH_SIZE} x {DEMO_SEQ_LEN + 1} = {row}): use more documents or a "
-                   f"lower --holdout_fraction (now {fraction})")
+                   f"({DEMO_BATCH_SIZE} x {DEMO_SEQ_LEN + 1} = {row}): use more documents{lower}")
     if val < need:
         what = "is empty" if val == 0 else f"has {val} tokens"
         head = (f"split 'validation' {what} (--holdout_fraction={fraction}), fewer than the "
                 f"demo's eval reads ({DEMO_EVAL_BATCHES} batches of {DEMO_BATCH_SIZE} x "
                 f"{DEMO_SEQ_LEN + 1} = {need} tokens)")
         suggested = math.ceil(100 * 1.25 * need / max(total, 1)) / 100  # 25%: the rule is random
-        if suggested <= _MAX_SUGGESTED_HOLDOUT:
+        if suggested <= fraction:  # given already (long documents fall whole to one side):
+            suggested = (math.ceil(100 * 1.25 * fraction * need / val) / 100 if val  # scale it
+                         else _MAX_SUGGESTED_HOLDOUT + 1)
+        if fraction < suggested <= _MAX_SUGGESTED_HOLDOUT:
             out.append(f"{head}: prepare into a new --data_dir with "
                        f"--holdout_fraction={suggested:g}")
         else:
@@ -116,6 +119,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num_proc={args.num_proc}: must be >= 1")
+    if args.tokenizer.startswith("bpe:"):  # the size on its own: a flag value, exit 2
+        from ode_lm.data.tokenizers import bpe_vocab_size
+
+        try:
+            bpe_vocab_size(args.tokenizer)
+        except ValueError as e:
+            raise UsageError(f"--tokenizer={args.tokenizer}: {e}") from None
     if args.data_dir and os.path.isfile(args.data_dir):
         raise NotADirectoryError(f"--data_dir={args.data_dir}: is a file, not a directory")
     delimiter = args.text_delimiter.encode().decode("unicode_escape") if args.text_delimiter \

@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> list[str]:
 
     check_num_steps(args.num_steps)
     cli.check_solver_flags(args.solver, args.rtol, args.atol)
+    cli.check_tolerances_used(args.solver, args.rtol, args.atol, args.model_dir)
     if args.data_dir is not None:
         cli.check_out_dir(args.data_dir, "--data_dir")
     model, run = load_model(args.model_dir, args.step)

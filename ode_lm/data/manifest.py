@@ -10,6 +10,8 @@ pipeline worker or silently train on the wrong data:
   manifest's sha256, ``vocab_size`` and ``eos_id``;
 * ``check_settings``: the configured preparation settings (source, holdout, ...) are the
   manifest's;
+* ``source_changes``: the local source files are those it was prepared from (their sizes
+  and modification times, and no file added to a glob or directory);
 * ``shard_paths`` / ``verify_shards``: every shard exists with the recorded byte size and
   ArrayRecord record count (a truncated or corrupted shard opens with 0 records).
 
@@ -194,6 +196,34 @@ def check_settings(manifest: dict[str, Any], cfg: Any) -> None:
                 f"{_manifest_path(manifest)}: prepared with {key}={have[key]!r}, but "
                 f"DataConfig.{key}={want!r}; set DataConfig.{key}={have[key]!r}, or use another "
                 "data_dir (data_dir=None picks a cache dir keyed by the settings)")
+
+
+def source_changes(manifest: dict[str, Any]) -> str | None:
+    """What changed in the local source files since the data dir was prepared from them (a
+    file grown, rewritten or added to the glob/directory), as one line; None when nothing
+    did, when the manifest records no file stamps, or when the source is gone (prepared data
+    stands on its own)."""
+    source = manifest.get("source") or {}
+    stamps = source.get("file_stamps")
+    if not stamps:
+        return None
+    where = f"{manifest['data_dir']} was prepared from {source['spec']!r}"
+    for path, (size, mtime) in sorted(stamps.items()):
+        now = sources_lib.file_stamp(path)
+        if now is None or now == [size, mtime]:
+            continue
+        what = (f"{size} bytes, now {now[0]}" if now[0] != size
+                else "same size, modified since")
+        return f"{where}, whose file {path} changed since ({what})"
+    try:
+        files = sources_lib.list_files(source["spec"])
+    except (sources_lib.SourceError, OSError):
+        return None
+    added = [f for f in files if f not in set(source.get("files") or ()) and "://" not in f]
+    if added:
+        more = f" and {len(added) - 1} more" if len(added) > 1 else ""
+        return f"{where}, which now also holds {added[0]}{more}"
+    return None
 
 
 def _check_shard(root: epath.Path, s: dict[str, Any]) -> str:

@@ -23,9 +23,11 @@ Holdout rule (independent of workers, hosts and document order): a document goes
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import multiprocessing
 import os
 import shutil
@@ -50,9 +52,13 @@ from ode_lm.data.manifest import (  # noqa: F401 - re-exported: the data dir's r
     check_tokenizer,
     load_manifest,
     shard_paths,
+    source_changes,
     token_dtype,
     verify_shards,
 )
+
+log = logging.getLogger("ode_lm.data.prepare")
+_warned_changed: set[str] = set()  # data dirs whose changed source was reported
 
 SETTINGS = "prepare_settings.json"
 _SETTING_KEYS = ("source", "tokenizer", "text_field", "text_delimiter", "non_utf8",
@@ -150,6 +156,29 @@ def _valid_marker(root: epath.Path, chunk: int) -> dict[str, Any] | None:
                                      and (root / info["path"]).stat().length == info["bytes"]):
             return None
     return marker
+
+
+@contextlib.contextmanager
+def _ctrl_c_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread while a pool worker may be started: a started process
+    keeps the mask through its exec, so the terminal's Ctrl-C (sent to the whole process
+    group) reaches only this process, which stops the pool; a press meanwhile is delivered
+    when the block ends."""
+    import signal
+
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _ignore_ctrl_c() -> None:
+    """A worker's Ctrl-C (the terminal sends it to the whole process group) is the main
+    process's to handle: it stops the pool; a worker's own would print a traceback each."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _chunks(docs: Iterable[sources_lib.Document], n: int) -> Iterator[list[sources_lib.Document]]:
@@ -252,7 +281,12 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
     settings = _settings(cfg)
     _check_settings(root, settings)
     if (root / MANIFEST).exists():
-        return load_manifest(root)
+        manifest = load_manifest(root)
+        if (change := source_changes(manifest)) is not None:
+            raise PreparedDataError(f"{change}: its new documents would not be read; prepare "
+                                    f"into a new --data_dir (or delete {root})")
+        return manifest
+    stamps = _source_stamps(cfg)  # before any document is read
     for stray in list(root.glob("*.tmp*")) + list((root / "chunks").glob("*.tmp*")):
         stray.unlink()  # left by an interrupted run; never referenced by a marker
     start = time.perf_counter()
@@ -274,7 +308,8 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
     markers: dict[int, dict[str, Any]] = {}
     pool = None
     if num_proc > 1:
-        pool = cf.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"))
+        pool = cf.ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
+                                      initializer=_ignore_ctrl_c)
     pending: dict[cf.Future, int] = {}
     num_docs = 0
     num_chunks = 0
@@ -291,7 +326,9 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
                     done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
                     for f in done:
                         markers[pending.pop(f)] = f.result()
-                fut = pool.submit(_process_chunk, os.fspath(root), chunk, docs, settings, dtype)
+                with _ctrl_c_blocked():  # a worker started here never sees a Ctrl-C
+                    fut = pool.submit(_process_chunk, os.fspath(root), chunk, docs, settings,
+                                      dtype)
                 pending[fut] = chunk
             if bar is not None:
                 bar.update(len(docs))
@@ -309,6 +346,8 @@ def _prepare(cfg: DataConfig, root: epath.Path, *, num_proc: int | None, progres
     if num_docs == 0:
         raise sources_lib.SourceError(f"source {cfg.source!r}: no documents")
     manifest = _assemble(cfg, tok, dtype, [markers[c] for c in range(num_chunks)], skipped)
+    if stamps:
+        manifest["source"]["file_stamps"] = stamps
     _write_atomic(root / MANIFEST, json.dumps(manifest, indent=1))
     dt = time.perf_counter() - start
     toks = sum(manifest["splits"][s]["tokens"] for s in SPLITS)
@@ -354,6 +393,14 @@ def _describe_source(cfg: DataConfig) -> dict[str, Any]:
     return info
 
 
+def _source_stamps(cfg: DataConfig) -> dict[str, list[int]]:
+    """``{file: [bytes, mtime_ns]}`` of the local source files (``source_changes`` compares)."""
+    if sources_lib.is_builtin(cfg.source) or cfg.source.startswith("tfds:"):
+        return {}
+    stamps = {f: sources_lib.file_stamp(f) for f in sources_lib.list_files(cfg.source)}
+    return {f: st for f, st in stamps.items() if st is not None}
+
+
 def ensure_prepared(cfg: DataConfig, **kwargs: Any) -> dict[str, Any]:
     """Prepares ``cfg`` (default: the built-in corpus) unless already done; returns the manifest
     after the checks of ``ode_lm.data.manifest`` (tokenizer, settings, every shard)."""
@@ -365,4 +412,9 @@ def ensure_prepared(cfg: DataConfig, **kwargs: Any) -> dict[str, Any]:
     check_tokenizer(manifest, cfg.tokenizer)
     check_settings(manifest, cfg)
     verify_shards(manifest)
+    change = None if cfg.streaming else source_changes(manifest)
+    if change is not None and cfg.data_dir not in _warned_changed:  # flagged, once
+        _warned_changed.add(cfg.data_dir)
+        log.warning("%s: the data as prepared is used; prepare into a new data dir for the "
+                    "new documents", change)
     return manifest

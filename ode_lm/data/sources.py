@@ -231,6 +231,18 @@ def file_size(path: str) -> int:
     return epath.Path(path).stat().length
 
 
+def file_stamp(path: str) -> list[int] | None:
+    """``[bytes, mtime_ns]`` of a local source file (what a data dir records of each file it
+    was prepared from, to notice a changed source); None for a remote one or a missing one."""
+    if "://" in path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [int(st.st_size), int(st.st_mtime_ns)]
+
+
 def list_files(spec: str) -> list[str]:
     """The sorted files of a path/glob/dir spec; a one-line error when there are none."""
     files: list[str] = []

@@ -42,15 +42,26 @@ class ExportResult:
     max_abs_diff: float | None = None
 
 
-def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | None,
-                  dtype: str) -> None:
-    """Every bad flag combination, before any checkpoint is read where possible."""
+def check_flags(fmt: str, num_steps: int | None, dtype: str,
+                max_shard_bytes: int | None = None) -> None:
+    """The flags on their own (a ``UsageError``, exit 2), before the run is even looked at."""
     if fmt not in FORMATS:
         raise UsageError(f"--format={fmt!r}: unknown format; expected one of {FORMATS}")
     if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
         raise UsageError(f"--num_steps={num_steps!r}: must be a positive number of solver steps")
     if dtype not in safetensors_io.DTYPES:
         raise UsageError(f"--dtype={dtype!r}: expected one of {tuple(safetensors_io.DTYPES)}")
+    if fmt == "raw" and num_steps is not None:
+        raise UsageError(f"--num_steps={num_steps} with --format=raw: a raw export keeps the "
+                         "continuous model; the step count is chosen when it is loaded")
+    if max_shard_bytes is not None and not max_shard_bytes > 0:
+        raise UsageError(f"--max_shard_mb={max_shard_bytes / 2**20:g}: must be > 0")
+
+
+def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | None,
+                  dtype: str) -> None:
+    """Every bad flag combination (``check_flags``), then those the run's model refuses."""
+    check_flags(fmt, num_steps, dtype)
     if fmt == "hf-neox" and flavour != "neox":
         raise ValueError(
             f"--format=hf-neox: a {flavour} model can't be mapped to GPTNeoXForCausalLM "
@@ -59,9 +70,6 @@ def check_request(fmt: str, flavour: str, architecture: str, num_steps: int | No
     if fmt.startswith("hf") and architecture == "sequential" and num_steps is not None:
         raise ValueError(f"--num_steps={num_steps}: a sequential {flavour} baseline has a fixed "
                          "depth (its num_layers); drop the flag")
-    if fmt == "raw" and num_steps is not None:
-        raise ValueError("--num_steps: a raw export keeps the continuous model; "
-                         "the step count is chosen when it is loaded")
 
 
 def _materialised(model, num_steps: int | None):
@@ -127,12 +135,14 @@ def export(
 ) -> ExportResult:
     """``weights_only``: export without the run's tokenizer (no tokenizer files, no special
     token ids); otherwise a missing data dir is refused before anything is written.
-    The export is written into a temporary directory beside ``out_dir`` and renamed into
-    place when complete, so a failed export leaves nothing; ``overwrite`` replaces a
-    non-empty ``out_dir`` the same way (refused without it)."""
+    The export is written into a temporary directory beside ``out_dir``, checked there
+    (``verify_logits``) and renamed into place only when complete and checked, so a failed
+    export or check leaves ``out_dir`` as it was; ``overwrite`` replaces a non-empty
+    ``out_dir`` the same way (refused without it)."""
     from ode_lm.gin_setup import run_dir
     from ode_lm.training.saved_run import load_model
 
+    check_flags(fmt, num_steps, dtype, max_shard_bytes)  # exit 2 whatever the run
     if not os.path.isdir(model_dir):
         raise FileNotFoundError(f"--model_dir={model_dir}: no such directory")
     run = run_dir(model_dir)
@@ -152,6 +162,7 @@ def export(
         tokenizer_files.check_tokenizer_source(data_dir)
     model, loaded = load_model(model_dir, step)
     config, step = loaded.config, loaded.step
+    diff = None
     with staged_dir(out_dir) as staging:
         if fmt == "raw":
             from ode_lm.export.raw import save_raw
@@ -163,45 +174,43 @@ def export(
         else:
             files = write_hf(model, staging, fmt, num_steps=num_steps, dtype=dtype,
                              data_dir=data_dir, max_shard_bytes=max_shard_bytes)
+        if verify_logits:  # before the swap: a failed check leaves --out as it was
+            diff = check_logits(model, staging, fmt, num_steps, dtype, shown=out_dir)
     result = ExportResult(out_dir, fmt, files, step, num_steps)
-    if verify_logits:
-        result.max_abs_diff = check_logits(model, out_dir, fmt, num_steps, dtype)
+    result.max_abs_diff = diff
     return result
 
 
 @contextlib.contextmanager
 def staged_dir(out_dir: str) -> Iterator[str]:
-    """A temporary directory beside ``out_dir`` to write into; on success it replaces
+    """A directory to write into, named as ``out_dir`` (an hf export's modelling code is
+    cached under its folder's name) inside a temporary one beside it; on success it replaces
     ``out_dir`` (an existing one is moved aside first and removed after), on an error it is
     removed and ``out_dir`` is left as it was."""
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     name = os.path.basename(out_dir)
-    staging = tempfile.mkdtemp(prefix=f".{name}.writing-", dir=parent)
+    holder = tempfile.mkdtemp(prefix=f".{name}.writing-", dir=parent)
+    staging = os.path.join(holder, name)
+    old = None
     try:
+        os.mkdir(staging, 0o777)  # as a makedirs would be, not mkdtemp's 0700
         yield staging
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0700: as a makedirs would be
-        old = None
         if os.path.isdir(out_dir):
             old = tempfile.mkdtemp(prefix=f".{name}.replaced-", dir=parent)
             os.rename(out_dir, os.path.join(old, name))
         os.rename(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(holder, ignore_errors=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def check_logits(model, out_dir: str, fmt: str, num_steps: int | None, dtype: str) -> float:
-    """max |Δ logits| between the export and ode-lm; raises above the dtype's tolerance."""
+def check_logits(model, out_dir: str, fmt: str, num_steps: int | None, dtype: str, *,
+                 shown: str | None = None) -> float:
+    """max |Δ logits| between the export in ``out_dir`` and ode-lm; raises above the
+    dtype's tolerance, naming ``shown`` (the export's destination) or ``out_dir``."""
     cfg = model.config
     tokens = verify.fixed_batch(cfg.vocab_size, cfg.max_seq_len)
     ref = verify.reference_logits(model, tokens, num_steps)
@@ -210,5 +219,7 @@ def check_logits(model, out_dir: str, fmt: str, num_steps: int | None, dtype: st
     diff = float(np.max(np.abs(ref - got)))
     tol = verify.TOLERANCE[dtype] * (1.0 if dtype == "fp32" else max(1.0, np.abs(ref).max()))
     if not diff < tol:
-        raise AssertionError(f"--verify: {out_dir}: max |Δ logits| = {diff:.3g} exceeds {tol:g}")
+        raise AssertionError(f"--verify: {shown or out_dir}: max |Δ logits| = {diff:.3g} "
+                             f"exceeds {tol:g}; the export was not written (--out left as it "
+                             "was)")
     return diff

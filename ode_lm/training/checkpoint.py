@@ -70,6 +70,10 @@ class CheckpointDamagedError(RuntimeError):
     """No complete checkpoint can be read back (the ones there are damaged)."""
 
 
+class NotFiniteError(ValueError):
+    """A restored checkpoint holds NaN or Inf (bit rot: random bytes read back as floats)."""
+
+
 class CheckpointSaveError(RuntimeError):
     """Writing a checkpoint failed (disk full, permissions, I/O error)."""
 
@@ -289,6 +293,7 @@ class Checkpointer:
         items = {"state": ocp.args.PyTreeRestore(
             item=abstract_state, restore_args=restore_args(abstract_state))}
         state = self.manager.restore(step, args=ocp.args.Composite(**items))["state"]
+        check_finite(state)
         self.restore_data(step, data_iterator)
         return state
 
@@ -389,6 +394,8 @@ _CAUSES = (  # (words in the error chain, the cause in a few words); first match
 def damage_cause(e: BaseException) -> str:
     """Why a checkpoint did not read back, in a few words (TensorStore's own message runs
     to ~460 characters); the file named when the error chain names one."""
+    if isinstance(e, NotFiniteError):
+        return str(e)
     chain, x = [], e
     while x is not None and len(chain) < 8:
         chain.append(f"{type(x).__name__}: {x}")
@@ -407,6 +414,26 @@ def restore_args(abstract: Any) -> Any:
         lambda x: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype),
         abstract,
     )
+
+
+@jax.jit
+def _finite(leaves: list) -> list:
+    return [jax.numpy.all(jax.numpy.isfinite(x)) for x in leaves]
+
+
+def check_finite(tree: Any) -> None:
+    """NotFiniteError naming the first floating-point array of ``tree`` (restored params or
+    train state) that holds NaN or Inf: a trained checkpoint never does (the trainer skips
+    non-finite updates), a bit-rotted one reads back so without any other error."""
+    leaves = [(path_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+              if np.issubdtype(x.dtype, np.inexact)]
+    if not leaves:
+        return
+    ok = jax.device_get(_finite([x for _, x in leaves]))
+    bad = [name for (name, _), good in zip(leaves, ok, strict=True) if not good]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise NotFiniteError(f"NaN or Inf in {bad[0]}{more}")
 
 
 def flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:

@@ -36,6 +36,7 @@ from typing import Any
 import jax
 
 from ode_lm.training.metrics import MetricWindow, MetricWriter
+from ode_lm.training.preemption import StopEval
 
 
 @dataclasses.dataclass
@@ -187,14 +188,23 @@ class Evaluate:
     read first and the window restarted after, so no step is timed with an eval in it."""
 
     def __init__(self, evaluate: Callable[[Any, int], dict[str, float]],
-                 log: Callable[[int, dict[str, float]], None], metrics: StepReader):
+                 log: Callable[[int, dict[str, float]], None], metrics: StepReader,
+                 final: Callable[[], contextlib.AbstractContextManager] | None = None):
+        """``final``: the context the final eval runs in (``PreemptionWatcher.interruptible``:
+        a Ctrl-C there ends it at once with ``StopEval``, the stop this hook then records)."""
         self.evaluate, self.log, self.metrics = evaluate, log, metrics
+        self.final = final or contextlib.nullcontext
         self.results: dict[str, float] = {}  # the latest eval's
 
     def __call__(self, info: StepInfo) -> None:
         if info.stopped_by is not None:
             return
         self.metrics.drain(dispatched=info.step)
-        self.results = self.evaluate(info.state["params"], info.step)
+        try:
+            with self.final() if info.step >= info.total_steps else contextlib.nullcontext():
+                self.results = self.evaluate(info.state["params"], info.step)
+        except StopEval:  # the last step is saved: the run stops as after any step
+            info.stopped_by, self.results = "Ctrl-C", {}
+            return
         self.log(info.step, self.results)
         self.metrics.window.restart()

@@ -4,6 +4,9 @@ batches (``ode_lm.data``'s pipelines, as global arrays sharded over the batch)."
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +38,41 @@ def prepare_data_once(data_config: Any, sync: Callable[[str], None] | None = Non
     return data_lib.ensure_prepared(data_config)
 
 
+@contextlib.contextmanager
+def data_dirs_kept_as_found(data_config: Any, model_dir: str) -> Iterator[None]:
+    """For a command that prepares its data on its way (fine-tuning: before it can compare
+    tokenizers): a local data dir it creates is removed again (process 0) when the command
+    fails before ``model_dir`` holds a checkpoint, so the corrected command (the tokenizer
+    the error names) is not refused by the data the failed one prepared. Ctrl-C keeps it:
+    an interrupted preparation resumes."""
+    from ode_lm.data.config import mixture_components
+    from ode_lm.training.run_dir import RunDir
+
+    dirs = [c.data_dir for _, c in mixture_components(data_config)] \
+        if getattr(data_config, "mixture", None) else [data_config.data_dir]
+    created = [top for top in map(_first_missing, dirs) if top is not None]
+    try:
+        yield
+    except Exception:
+        if created and jax.process_index() == 0 and not RunDir(model_dir).has_checkpoint():
+            for top in created:
+                shutil.rmtree(top, ignore_errors=True)
+        raise
+
+
+def _first_missing(path: str | None) -> str | None:
+    """The topmost ancestor of a local ``path`` (or itself) that does not exist yet."""
+    if not path or "://" in path:
+        return None
+    path, missing = os.path.abspath(path), None
+    while not os.path.lexists(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
 def default_train_data(data_config: Any, mesh, rules, start_step: int):
     """The grain train pipeline of ode_lm.data over the prepared DATA_DIR (the trainer's data
     step has run ``prepare_data_once``), as global arrays sharded over the batch."""
@@ -60,6 +98,66 @@ def default_eval_data(data_config: Any, mesh, rules):
     return (data_lib.to_global_batch(b, mesh, rules) for b in iterator)
 
 
+def check_resume_tokenizer(run_dir: Any, data_config: Any, manifest: dict) -> None:
+    """On a resume: the prepared data is tokenized as the checkpoints were trained, by the
+    tokenizer record the run keeps (``RunDir.inputs``), else (a run from before it) by the
+    manifest of the data dir it records; another tokenizer under the same spec (``bpe:N``
+    trained on another corpus) is refused in one line, before anything is written."""
+    import os
+
+    from ode_lm.data.manifest import has_manifest, load_manifest
+
+    new_dir = getattr(data_config, "data_dir", None)
+    recorded = (run_dir.inputs() or {}).get("tokenizer")
+    old_dir = run_dir.data_dir()
+    if recorded is None:
+        if not old_dir or not has_manifest(old_dir) or (
+                new_dir and os.path.abspath(old_dir) == os.path.abspath(new_dir)):
+            return
+        recorded = load_manifest(old_dir)["tokenizer"]
+    check_tokenizer_record(recorded, manifest, f"MODEL_DIR={run_dir.path}", old_dir,
+                           f"DATA_DIR={new_dir}", "resume on the data it was trained on, or "
+                           "train into a new MODEL_DIR")
+
+
+def check_tokenizer_record(recorded: dict | None, manifest: dict, run: str,
+                           trained_on: str | None, data: str, advice: str) -> None:
+    """One line when ``manifest``'s tokenizer is not the ``recorded`` one (spec, sha256,
+    vocab_size, eos_id: ``RunDir.inputs()["tokenizer"]``); nothing without a record."""
+    now = manifest["tokenizer"]
+    if recorded is None or all(recorded.get(k) == now.get(k)
+                               for k in ("sha256", "vocab_size", "eos_id")):
+        return
+    where = f", {trained_on}" if trained_on else ""
+    raise ValueError(
+        f"tokenizer mismatch: {run} was trained on {recorded['spec']!r} (sha256 "
+        f"{recorded['sha256'][:12]}{where}) but {data} holds {now['spec']!r} (sha256 "
+        f"{now['sha256'][:12]}): {advice}")
+
+
+def check_vocab_before_prepare(model_config: ModelConfig, data_config: Any) -> None:
+    """Before a data dir is prepared (a BPE trained, a corpus tokenized: minutes), the
+    vocabulary the tokenizer spec asks for (``bpe:<n>``: n) must fit the model's, refused
+    at once as ``check_vocab`` would after; a prepared dir is ``check_vocab``'s."""
+    from ode_lm.data import tokenizers as tok_lib
+    from ode_lm.data.manifest import has_manifest
+
+    if getattr(data_config, "mixture", None) or getattr(data_config, "streaming", False) \
+            or has_manifest(data_config.data_dir):
+        return
+    spec = data_config.tokenizer
+    size = (tok_lib.bpe_vocab_size(spec) if spec.startswith("bpe:")
+            else tok_lib.get_tokenizer(spec).vocab_size)
+    _check_size(model_config, data_config, size)
+
+
+def _check_size(model_config: ModelConfig, data_config: Any, size: int) -> None:
+    if size > model_config.vocab_size:
+        raise ValueError(
+            f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
+            f"{size} ({data_config.tokenizer} in {data_config.data_dir})")
+
+
 def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
                 evaluate: bool = True) -> int | None:
     """Before any step: the model's vocabulary covers the prepared data's token ids, and (with
@@ -68,11 +166,7 @@ def check_vocab(model_config: ModelConfig, data_config: Any, manifest: dict,
     itself)."""
     from ode_lm import data as data_lib
 
-    if manifest["vocab_size"] > model_config.vocab_size:
-        raise ValueError(
-            f"ModelConfig.vocab_size={model_config.vocab_size} is smaller than the tokenizer's "
-            f"{manifest['vocab_size']} ({data_config.tokenizer} in {data_config.data_dir})"
-        )
+    _check_size(model_config, data_config, manifest["vocab_size"])
     if evaluate:  # the eval batches, for the eval's progress line
         return data_lib.check_eval_split(data_config, manifest)
     return None

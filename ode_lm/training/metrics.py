@@ -263,6 +263,22 @@ def trim_after(jsonl_path: str, event_paths: list[str], step: int) -> int:
     return dropped
 
 
+def logged_keys(jsonl_path: str, step: int) -> set[str]:
+    """Every key of the rows logged at ``step`` (a torn line skipped): what the trainer
+    asks to learn whether a finished run's final eval ran."""
+    keys: set[str] = set()
+    if os.path.exists(jsonl_path):
+        with open(jsonl_path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("step") == step:
+                    keys.update(row)
+    return keys
+
+
 def _jsonl_step(line: str) -> float:
     try:
         return json.loads(line).get("step", -1)
@@ -323,18 +339,29 @@ class Progress:
 
     def __init__(self, label: str, total: int | None, *, unit: str = "batches",
                  every_s: float = 10.0, clock: Callable[[], float] = time.perf_counter,
-                 log_fn: Callable[[str], None] | None = None):
+                 log_fn: Callable[[str], None] | None = None, heartbeat: bool = False):
+        """``heartbeat``: a thread also logs the line when no item has ended for
+        ``every_s`` (a first batch that compiles and solves at a large N for minutes is
+        not silent); ``close`` (or ``done``) stops it."""
         import logging
+        import threading
 
         self.label, self.total, self.unit, self.every_s, self.clock = (
             label, total, unit, every_s, clock)
         self.log = log_fn or logging.getLogger("ode_lm.progress").info
         self.start = self._last = clock()
         self.done_items, self.shown = 0, False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        if heartbeat:
+            threading.Thread(target=self._beat, daemon=True, name="ode_lm-progress").start()
 
     def line(self, done: int) -> str:
         elapsed = self.clock() - self.start
         of = f"/{self.total}" if self.total is not None else ""
+        if done == 0:  # the first item still running (a compile, a long solve)
+            return (f"{self.label}: 0{of} {self.unit} | {format_duration(elapsed)} on the "
+                    "first (compile + run)")
         rate = f"{done / elapsed:.1f}/s" if elapsed > 0 else "n/a"
         text = f"{self.label}: {done}{of} {self.unit} | {rate}"
         if self.total is not None:
@@ -343,13 +370,23 @@ class Progress:
 
     def update(self, done: int) -> None:
         self.done_items = done
-        now = self.clock()
-        if now - self._last >= self.every_s:
-            self._last, self.shown = now, True
-            self.log(self.line(done))
+        with self._lock:
+            now = self.clock()
+            if now - self._last >= self.every_s:
+                self._last, self.shown = now, True
+                self.log(self.line(done))
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s / 4):
+            self.update(self.done_items)
+
+    def close(self) -> None:
+        """Stop the heartbeat (a pass that ended, or failed); no line."""
+        self._stop.set()
 
     def done(self) -> None:
         """The closing line, only after a pass that showed one (short passes stay quiet)."""
+        self.close()
         if self.shown:
             self.log(self.line(self.done_items))
 

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -21,7 +23,24 @@ class PreemptionWatcher:
     def __init__(self):
         self._event = threading.Event()
         self._previous: dict[int, Any] = {}
+        self._interruptible = False  # inside the final eval: a first Ctrl-C ends it at once
         self.reason: str | None = None  # "SIGTERM", "Ctrl-C" or "preemption"
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """Work after the last checkpoint (the final eval): a first Ctrl-C stops it at once,
+        raising :class:`StopEval` there, instead of after it (a minute of no reply). One
+        process only: a pod's processes would leave each other in a collective."""
+        if jax.process_count() > 1:
+            yield
+            return
+        if self.reason == "Ctrl-C":  # pressed since the watcher last looked: not begun
+            raise StopEval()
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def install(self) -> PreemptionWatcher:
         if threading.current_thread() is threading.main_thread():
@@ -33,6 +52,9 @@ class PreemptionWatcher:
             raise StopNow()
         self.reason = self.reason or self.SIGNALS[signum]
         self._event.set()
+        if signum == signal.SIGINT and self._interruptible:
+            self._interruptible = False
+            raise StopEval()
 
     def uninstall(self) -> None:
         for signum, previous in self._previous.items():
@@ -64,3 +86,8 @@ class PreemptionWatcher:
 
 class StopNow(KeyboardInterrupt):  # noqa: N818 - a KeyboardInterrupt, named for what it does
     """A second Ctrl-C: stop at once, without a save (the CLI prints ``str(self)``)."""
+
+
+class StopEval(KeyboardInterrupt):  # noqa: N818 - a KeyboardInterrupt, named for what it does
+    """A first Ctrl-C during the final eval: the eval ends at once (the checkpoint of the
+    last step is saved already); a rerun of the command runs the eval it skipped."""

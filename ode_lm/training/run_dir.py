@@ -13,6 +13,9 @@ Layout (one run, pretraining or fine-tuning)::
                            this, no gin
     data_config.json       DataConfig (data dir resolved): eval, sample, export, analysis
                            and fine-tuning learn the run's data from this
+    inputs.json            what the checkpoints depend on beyond the settings: the prepared
+                           data's tokenizer record (spec, sha256, vocab_size, eos_id), which
+                           a resume must match
     finetune.json          fine-tunes: what they were made from (method, mode, LoRA spec)
     finetune_result.json   fine-tunes: trainable parameter counts and the final eval
     summary.json           the final eval of the last finished ``ode-lm train``, each setting
@@ -52,6 +55,7 @@ log = logging.getLogger("ode_lm.run_dir")
 CONFIG_GIN = "config.gin"
 MODEL_CONFIG = "model_config.json"
 DATA_CONFIG = "data_config.json"
+INPUTS = "inputs.json"
 FINETUNE = "finetune.json"
 FINETUNE_RESULT = "finetune_result.json"
 SUMMARY = "summary.json"
@@ -157,13 +161,17 @@ class RunDir:
     def write_run_files(self, model_config: ModelConfig, data_config: Any,
                         start_config: tuple[int, str] | None = None,
                         sharding: str | None = None,
-                        finetune: dict[str, Any] | None = None) -> None:
+                        finetune: dict[str, Any] | None = None,
+                        inputs: dict[str, Any] | None = None) -> None:
         """What the trainer records with a start's first checkpoint (process 0, holding the
         run lock): the model and data the checkpoint was trained with, ``(step, text)`` of
         the start's operative config when it is to be kept (a first start, or changed
-        settings), the parameter sharding table (``partitioning.sharding_text``) and, for a
-        fine-tune, what it was made from (``finetune.json``)."""
+        settings), the parameter sharding table (``partitioning.sharding_text``), for a
+        fine-tune what it was made from (``finetune.json``), and the inputs the checkpoint
+        depends on (``inputs.json``: the tokenizer record)."""
         self.write_model_config(model_config)
+        if inputs is not None:
+            _write_json(self.file(INPUTS), inputs)
         if finetune is not None:
             _write_json(self.file(FINETUNE), finetune)
         if dataclasses.is_dataclass(data_config):
@@ -211,6 +219,12 @@ class RunDir:
         """The run's prepared-data dir (fine-tunes: their own data), or None."""
         config = self.data_config()
         return config.data_dir if config is not None else None
+
+    def inputs(self) -> dict[str, Any] | None:
+        """``inputs.json`` (``{"tokenizer": {spec, sha256, vocab_size, eos_id}}``); None for
+        a run that records none (one from before it, or with its own data pipeline)."""
+        path = self.file(INPUTS)
+        return _read_json(path) if os.path.exists(path) else None
 
     def finetune(self) -> dict[str, Any] | None:
         """``finetune.json`` of a fine-tuning run; None for a pretraining run."""

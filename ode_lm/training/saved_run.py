@@ -49,6 +49,7 @@ class LoadedRun:
             to_global_batch,
         )
         from ode_lm.training.evaluation import Evaluator
+        from ode_lm.training.inputs import check_tokenizer_record
 
         data = self.data_config
         if data is None:
@@ -59,10 +60,15 @@ class LoadedRun:
             return (to_global_batch(b, self.mesh, self.rules)
                     for b in make_eval_iterator(data, split))
 
+        manifest = load_manifest(data.data_dir)
+        recorded = (RunDir(self.model_dir).inputs() or {}).get("tokenizer")
+        check_tokenizer_record(recorded, manifest, f"--model_dir={self.model_dir}", None,
+                               f"its data dir {data.data_dir}", "the data dir was prepared "
+                               "again with another tokenizer; prepare it from the run's source")
         return Evaluator(self.spec, batches, model_num_steps=self.config.num_steps,
                          model_solver=self.config.solver, model_rtol=self.config.rtol,
                          what=f"split {split!r} of {data.data_dir}",
-                         num_batches=check_eval_split(data, load_manifest(data.data_dir), split))
+                         num_batches=check_eval_split(data, manifest, split))
 
     def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
                  rtol: float | None = None, atol: float | None = None,
@@ -150,7 +156,9 @@ def restore_params(model_dir: str, abstract_params: Any, step: int | None = None
     candidates = [step] if step is not None else steps[::-1]
     for i, s in enumerate(candidates):
         try:
-            return _restore_params_at(directory / str(s) / "state", abstract_params), s
+            params = _restore_params_at(directory / str(s) / "state", abstract_params)
+            ckpt_lib.check_finite(params)  # bit rot reads back as NaN, not as an error
+            return params, s
         except ckpt_lib.ShapeMismatchError:
             raise
         except Exception as e:

@@ -377,16 +377,20 @@ def run_eval(eval_step: Callable, params: Any, batches: Any,
     """The one token-weighted eval loop (trainer, ``ode_lm.commands.eval``, the depth report).
 
     With ``total`` (batches expected) long passes show ``metrics.Progress``'s line with an
-    ETA; any batch whose adaptive solve hit the step cap is reported in one warning line."""
+    ETA, also while the first batch runs (a compile, a large N); any batch whose adaptive
+    solve hit the step cap is reported in one warning line."""
     from ode_lm.training.metrics import Progress
 
-    progress = Progress(label, total, unit="batches")
+    progress = Progress(label, total, unit="batches", heartbeat=True)
     loss, tokens, nfe, capped, count = 0.0, 0.0, 0.0, 0.0, 0
-    for batch in batches:
-        s, n, e, c = eval_step(params, batch)
-        loss, tokens, nfe = loss + float(s), tokens + float(n), nfe + float(e)
-        capped, count = capped + float(c), count + 1
-        progress.update(count)
+    try:
+        for batch in batches:
+            s, n, e, c = eval_step(params, batch)
+            loss, tokens, nfe = loss + float(s), tokens + float(n), nfe + float(e)
+            capped, count = capped + float(c), count + 1
+            progress.update(count)
+    finally:
+        progress.close()
     progress.done()
     if tokens == 0:
         raise ValueError(f"{what} produced no counted tokens")

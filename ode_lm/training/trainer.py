@@ -37,7 +37,9 @@ from ode_lm.training.hooks import Evaluate, Hook, Hooks, Save, StepInfo, StepRea
 from ode_lm.training.inputs import (
     EvalData,
     TrainData,
+    check_resume_tokenizer,
     check_vocab,
+    check_vocab_before_prepare,
     data_scalars,
     default_eval_data,
     default_train_data,
@@ -121,6 +123,7 @@ class Trainer:
         partitioning.check_param_annotations(self.spec.abstract_params)
         # 4. data: the default data is prepared and checked in run()'s data step, once
         self.own_data = (train_data is None, eval_data is None)
+        self._inputs: dict | None = None  # the default data's tokenizer record (data step)
         self.train_data = train_data or default_train_data
         self.eval_data = eval_data or default_eval_data
         self.evaluator = Evaluator(
@@ -159,9 +162,13 @@ class Trainer:
         restored when the checkpoint has one for this process layout."""
         own_train, own_eval = self.own_data
         if own_train:
+            check_vocab_before_prepare(self.model_config, self.data_config)
             manifest = prepare_data_once(self.data_config)
+            if resumed:
+                check_resume_tokenizer(self.run_dir, self.data_config, manifest)
             self.evaluator.num_batches = check_vocab(self.model_config, self.data_config,
                                                      manifest, evaluate=own_eval)
+            self._inputs = {"tokenizer": manifest["tokenizer"]}
         data_iterator, batches = self.train_data(self.data_config, self.mesh, self.rules, start)
         if resumed and not self.checkpointer.restore_data(start, data_iterator):
             log.warning("no data iterator state at step %d: using the step-derived position", start)
@@ -177,6 +184,7 @@ class Trainer:
         if not has_manifest(data_dir):
             return
         manifest = prepare_data_once(self.data_config)
+        check_resume_tokenizer(self.run_dir, self.data_config, manifest)
         check_vocab(self.model_config, self.data_config, manifest, evaluate=own_eval)
 
     def evaluate(self, params: Any, step: int) -> dict[str, float]:
@@ -215,6 +223,8 @@ class Trainer:
         self.state = state
         if start >= cfg.num_train_steps:  # the record changes only with training
             self.check_prepared_data()  # a bad data setting is still an error, read-only
+            if start == cfg.num_train_steps and self._final_eval_missing(start):
+                return self._final_eval_only(start, state)
             self.print(f"nothing to train: MODEL_DIR is at step {start} ≥ "
                        f"TRAIN_STEPS={cfg.num_train_steps}")
             return TrainResult(cfg.model_dir, start, None, None, {}, nothing_to_train=True)
@@ -253,6 +263,37 @@ class Trainer:
         self._write_result(result)
         return result
 
+    def _final_eval_missing(self, step: int) -> bool:
+        """Whether a run at its last step logged no eval there: its final eval was stopped
+        (a Ctrl-C during it), so the summary and its table were never written."""
+        if not self.evals:
+            return False
+        keys = metrics_lib.logged_keys(self.run_dir.metrics, step)
+        return not any(metric_names.parse(k) is not None for k in keys)
+
+    def _final_eval_only(self, step: int, state: Any) -> TrainResult:
+        """The final eval a stopped run skipped, on its last checkpoint, logged as the loop
+        logs it; the result is a finished run's (its summary, table, fine-tune result)."""
+        self.print(f"MODEL_DIR is at step {step} = TRAIN_STEPS, but its final eval did not "
+                   "run (stopped by Ctrl-C?): running it now")
+        own_train, own_eval = self.own_data
+        if own_train:  # the data step's checks (and the progress line's batch count)
+            manifest = prepare_data_once(self.data_config)
+            self.evaluator.num_batches = check_vocab(self.model_config, self.data_config,
+                                                     manifest, evaluate=own_eval)
+        writer = metrics_lib.create_writer(self.run_dir)
+        try:
+            with jax.set_mesh(self.mesh):
+                results = self.evaluate(state["params"], step)
+            self._log_eval(writer, step, results)
+        finally:
+            writer.flush()
+            writer.close()
+        result = TrainResult(self.cfg.model_dir, step, None, None, results,
+                             eval_settings=self.eval_settings)
+        self._write_result(result)
+        return result
+
     def _hooks(self, writer: metrics_lib.MetricWriter, saved: int | None) -> Hooks:
         """This run's hooks, in order (``hooks.py``), then the ones added."""
         cfg, data = self.cfg, self.data_config
@@ -269,12 +310,12 @@ class Trainer:
         self._metrics = StepReader(window, writer, self.print, max_bad_steps=cfg.max_bad_steps,
                                    scalars=data_scalars(data))
         self._saver = Save(self.checkpointer, self._metrics, self._write_run_files, saved=saved)
+        self._watcher = PreemptionWatcher()
         self._eval = Evaluate(self.evaluate, lambda step, results: self._log_eval(
-            writer, step, results), self._metrics)
+            writer, step, results), self._metrics, final=self._watcher.interruptible)
         hooks = Hooks()
         hooks.add(self._metrics.read, every=1)
         hooks.add(self._metrics.log, every=cfg.log_every)
-        self._watcher = PreemptionWatcher()
         hooks.add(self._watcher, every=1)
         hooks.add(self._saver, every=1)
         hooks.add(self._eval, every=cfg.eval_every or cfg.num_train_steps)
@@ -343,7 +384,8 @@ class Trainer:
         self.run_dir.write_run_files(
             self.model_config, self.data_config, self._record,
             sharding=partitioning.sharding_text(self.mesh, self.sharding_table),
-            finetune=self.finetune.info if self.finetune is not None else None)
+            finetune=self.finetune.info if self.finetune is not None else None,
+            inputs=self._inputs)
 
     def _write_result(self, result: TrainResult) -> None:
         """A fine-tune's result (its counts, final step and eval), still under the lock."""

@@ -108,6 +108,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
          "'seq_len': 64}}}}"], "components 'a' and 'b' disagree on seq_len", USAGE),
     "train: vocabulary smaller than the tokenizer": ([*TRAIN, "--gin.VOCAB_SIZE=128"], "128",
                                                      FAILED),
+    "train: a bpe larger than the vocabulary, refused before it is trained": (
+        [*TRAIN, "--gin.MODEL_DIR='{WORK}/ft_new'", "--gin.DATA_DIR='{WORK}/data_new'",
+         "--gin.TOKENIZER='bpe:512'"],
+        "ModelConfig.vocab_size=384 is smaller than the tokenizer's 512 (bpe:512 in", FAILED),
     "train: binding syntax": ([*TRAIN, "--gin_bindings=ModelConfig.d_model = = 3"],
                               "ModelConfig.d_model", USAGE),
     "train: unclosed bracket": ([*TRAIN, "--gin.MeshConfig.ici_parallelism=(1, -1"],
@@ -142,7 +146,18 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "eval: an empty --solves": ([*EVAL, "--solves= "], "--solves=' ': expected e.g.", USAGE),
     "eval: --solves with --num_steps": ([*EVAL, "--solves=euler:2", "--num_steps=4"],
                                         "--solves and --num_steps: give one of them", USAGE),
+    "eval: --rtol with a fixed-grid solver": ([*EVAL, "--solver=rk4", "--rtol=1e-3"],
+                                              "--rtol=0.001: --solver=rk4 (rk4) is fixed-grid "
+                                              "and takes no tolerance", USAGE),
+    "eval: --atol with the run's own fixed-grid solver": (
+        [*EVAL, "--atol=1e-6"], "--atol=1e-06: the run's own solver (euler) is fixed-grid",
+        USAGE),
+    "sample: --rtol with a fixed-grid solver": ([*SAMPLE, "--solver=euler", "--rtol=1e-3"],
+                                                "--rtol=0.001: --solver=euler", USAGE),
     "eval: negative atol": ([*EVAL, "--solver=adaptive", "--atol=-1"], "--atol=-1.0", USAGE),
+    "eval: --log of another split": ([*EVAL, "--split=train", "--log"],
+                                     "--log with --split=train: a metrics row holds the "
+                                     "validation split's figures", USAGE),
     # sample
     "sample: zero steps": ([*SAMPLE, "--num_steps=0"], "--num_steps=0", USAGE),
     "sample: negative temperature": ([*SAMPLE, "--temperature=-1"], "temperature", USAGE),
@@ -154,6 +169,9 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                           USAGE),
     "sample: data dir is a file": ([*SAMPLE, "--data_dir={WORK}/prompt.txt"],
                                    "--data_dir={WORK}/prompt.txt: is a file", FAILED),
+    "sample: a prompt longer than the learned positions": (
+        [*SAMPLE, "--prompt=" + "ODE " * 300], "--prompt: 1200 tokens, but the model learned",
+        USAGE),
     "sample: more tokens than the learned positions": (
         [*SAMPLE, "--max_new_tokens=500"], "--max_new_tokens=500: the prompt", USAGE),
     # finetune
@@ -162,6 +180,10 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "finetune: zero steps": ([*FINETUNE, "--gin.FINETUNE_STEPS=0"], "FINETUNE_STEPS=0", USAGE),
     "finetune: unknown method": ([*FINETUNE, "--gin.METHOD='qlora'"], "qlora", USAGE),
     "finetune: no gin file": (["finetune", "--gin.METHOD=lora"], "--gin_file", USAGE),
+    "finetune: another tokenizer than the pretrained run's prepares no data dir": (
+        [*FINETUNE, "--gin.DataConfig.source='{WORK}/prompt.txt'",
+         "--gin.DataConfig.data_dir='{WORK}/data_new/ft'", "--gin.DataConfig.tokenizer='bpe:300'"],
+        "tokenizer mismatch: the pretrained run", FAILED),
     # prepare
     "prepare: no such source": ([*PREPARE, "--source={WORK}/nope.jsonl",
                                  "--data_dir={WORK}/data_new"], "nope.jsonl", FAILED),
@@ -199,7 +221,8 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "prepare: unknown non-utf8 policy": ([*PREPARE, "--non_utf8=drop",
                                           "--data_dir={WORK}/data_new"], "drop", USAGE),
     "prepare: bpe vocabulary too small": ([*PREPARE, "--tokenizer=bpe:0",
-                                           "--data_dir={WORK}/data_new"], "bpe:0", FAILED),
+                                           "--data_dir={WORK}/data_new"],
+                                          "--tokenizer=bpe:0: tokenizer spec 'bpe:0'", USAGE),
     "prepare: unsupported source file": ([*PREPARE, "--source={GIN}",
                                           "--data_dir={WORK}/data_new"], "unsupported file type",
                                          FAILED),
@@ -208,6 +231,13 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                   "--holdout=0.1", USAGE),
     # export
     "export: unknown format": ([*EXPORT, "--format=onnx"], "--format='onnx'", USAGE),
+    "export: unknown format of a missing run is still a usage error": (
+        ["export", "--model_dir={WORK}/nope", "--format=onnx", "--out={WORK}/export_new"],
+        "--format='onnx'", USAGE),
+    "export: raw with --num_steps": ([*EXPORT, "--format=raw", "--num_steps=4"],
+                                     "--num_steps=4 with --format=raw", USAGE),
+    "export: zero shard size": ([*EXPORT, "--format=raw", "--max_shard_mb=0"],
+                                "--max_shard_mb=0: must be > 0", USAGE),
     "export: missing --format": (EXPORT, "--format", USAGE),
     "export: out is not empty": (["export", "--model_dir={MODEL}", "--format=raw",
                                   "--out={DATA}"], "not empty", FAILED),
@@ -248,6 +278,15 @@ CASES: dict[str, tuple[list[str], str, int]] = {
     "depth-report: a step list entry not a number": (
         ["depth-report", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--num_steps=2,x"],
         "argument --num_steps: invalid int value: 'x'", USAGE),
+    "depth-report: out is a file": (
+        ["depth-report", "--model_dir={MODEL}", "--out={WORK}/prompt.txt"],
+        "--out={WORK}/prompt.txt: is a file, not a directory", FAILED),
+    "depth-report: --json is a directory": (
+        ["depth-report", "--model_dir={MODEL}", "--out={WORK}/analysis_new", "--json={DATA}"],
+        "--json={DATA}: is a directory, not a file", FAILED),
+    "depth-report: zero steps": (["depth-report", "--model_dir={MODEL}",
+                                  "--out={WORK}/analysis_new", "--num_steps=0,2"],
+                                 "--num_steps=0,2: every entry must be >= 1", USAGE),
     # depth-gap, finetune-table
     "depth-gap: no such run": (["depth-gap", "table", "r={WORK}/nope"], "nope", FAILED),
     "depth-gap: a data dir is not a run": (["depth-gap", "table", "r={DATA}"],
@@ -299,6 +338,8 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                             USAGE),
     # bench, sweep, scaling-report
     "bench: abbreviated flag": (["bench", "--conf=tiny"], "--conf=tiny", USAGE),
+    "bench: --json is a directory": (["bench", "--json={DATA}"],
+                                     "--json='{DATA}': is a directory, not a file", USAGE),
     "bench: steps not a number": (["bench", "--steps=few"], "argument --steps: invalid int",
                                   USAGE),
     "sweep: no such sweep file": (["sweep", "{WORK}/nope.gin", "--root={WORK}/export_new"],

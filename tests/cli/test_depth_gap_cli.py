@@ -166,3 +166,60 @@ def test_depth_gap_baseline_refuses_unnamed_runs_an_unknown_group_and_twice_a_se
                    "--baseline=old"])
     assert exit_info.value.code == 2
     assert "--baseline is a table option" in capsys.readouterr().err
+
+
+def test_depth_gap_names_a_cut_line_and_the_file_it_wrote(tmp_path):
+    """Through the installed ``ode-lm``: a metrics line cut short is one line naming the
+    file and line; ``plot --out=gap`` says the name it wrote (``gap.png``); an --out that is
+    a directory, or a --json in a directory that does not exist, is refused before any run
+    is read."""
+    import os
+    import shutil
+    import subprocess
+
+    script = shutil.which("ode-lm")
+    if script is None:
+        pytest.skip("the ode-lm console script is not on PATH (pip install -e .)")
+    env = {k: v for k, v in os.environ.items() if k != "ODE_LM_DEBUG"}
+    rows = [{"step": s, "eval/perplexity": 100.0, "eval/perplexity@steps=4": 103.0,
+             "eval/perplexity@rk4:steps=8": 101.0} for s in (10, 20)]
+    run = _write_run(tmp_path / "run", rows, num_steps=6, solver="euler")
+
+    def ode_lm(*argv):
+        r = subprocess.run([script, "depth-gap", *argv], capture_output=True, text=True,
+                           env=env, timeout=300)
+        return r.returncode, r.stdout, r.stderr.strip()
+
+    rc, out, err = ode_lm("plot", f"--out={tmp_path / 'gap'}", f"r={run}")
+    assert rc == 0 and out.strip() == f"wrote {tmp_path / 'gap.png'}", (out, err)
+    assert (tmp_path / "gap.png").read_bytes()[:4] == b"\x89PNG"
+    rc, out, err = ode_lm("plot", f"--out={tmp_path}", f"r={run}")
+    assert rc == 1 and err == (f"ode-lm depth-gap: error: --out={tmp_path}: is a directory, "
+                               "not a file"), err
+    rc, out, err = ode_lm("table", f"--json={tmp_path / 'nope' / 't.json'}", f"r={run}")
+    assert rc == 1 and err == (f"ode-lm depth-gap: error: --json={tmp_path / 'nope' / 't.json'}: "
+                               f"directory {tmp_path / 'nope'} does not exist"), err
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.write_text(metrics.read_text()[:-20])  # a write cut short
+    rc, out, err = ode_lm("table", f"r={run}")
+    assert rc == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"ode-lm depth-gap: error: {metrics}:2: not a JSON row ("), err
+
+
+def test_depth_gap_table_shows_a_discrete_baseline_at_its_own_depth(tmp_path):
+    """docs/depth.md's fortunes table: sequential and parallel baselines (no N to vary, so
+    no gap metrics) sit beside the ODE run, their own figure at their depth; an ODE run
+    without gap metrics is still refused."""
+    ode_rows = [{"step": 300, "eval/perplexity": 142.2, "eval/perplexity@steps=3": 144.7}]
+    ode = _write_run(tmp_path / "ode", ode_rows, num_steps=6, solver="euler")
+    base = _write_run(tmp_path / "seq", [{"step": 300, "eval/perplexity": 188.8}],
+                      architecture="sequential", num_layers=4, num_steps=6)
+    lines = tool.table([("ODE", ode, None), ("sequential, 4 layers", base, None)]).splitlines()
+    cells = [c.strip() for c in lines[-1].split("|")[1:-1]]
+    head = [c.strip() for c in lines[0].split("|")[1:-1]]
+    assert cells[:2] == ["sequential, 4 layers", "300"]
+    assert cells[head.index("Euler N=4")] == "**188.8**"
+    assert {c for i, c in enumerate(cells) if i > 1 and head[i] != "Euler N=4"} <= {"–"}
+    with pytest.raises(ValueError, match="no depth-gap metrics"):
+        tool.table([("ODE", _write_run(tmp_path / "flat", [{"step": 1, "eval/perplexity": 9.0}],
+                                       num_steps=6, solver="euler"), None)])

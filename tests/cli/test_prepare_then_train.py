@@ -93,3 +93,64 @@ def test_the_demo_figures_prepare_warns_by_are_the_demo_configs():
     data = gin_setup.GinDataConfig()
     assert (data.eval_max_batches, data.global_batch_size, data.seq_len) == (
         prepare_cmd.DEMO_EVAL_BATCHES, prepare_cmd.DEMO_BATCH_SIZE, prepare_cmd.DEMO_SEQ_LEN)
+
+
+def test_prepare_refuses_a_data_dir_whose_source_changed(tmp_path):
+    """A data dir records its source files' sizes and times: a jsonl grown from 50 to 250
+    documents, or a file added to the source directory, is refused in one line (exit 1),
+    never reported with the old counts; the data dir is left as it was."""
+    from data_helpers import tree_hash
+
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = [json.dumps({"text": f"document {i} on solvers and steps"}) + "\n"
+            for i in range(250)]
+    (src / "a.jsonl").write_text("".join(docs[:50]))
+    data = tmp_path / "data"
+    argv = ["ode-lm", "prepare", f"--source={src}", "--tokenizer=bytes", f"--data_dir={data}",
+            "--no_progress", "--holdout_fraction=0.1"]
+    assert _run(tmp_path, argv).returncode == 0
+    before = tree_hash(data)
+    for change, said in ((lambda: (src / "a.jsonl").write_text("".join(docs)),
+                          f"whose file {src / 'a.jsonl'} changed since"),
+                         (lambda: (src / "b.jsonl").write_text(docs[0]),
+                          f"which now also holds {src / 'b.jsonl'}")):
+        if said.startswith("which"):  # a file added: the first file back as it was
+            (src / "a.jsonl").write_text("".join(docs[:50]))
+            os.utime(src / "a.jsonl", ns=tuple(json.loads((data / "manifest.json").read_text())
+                                             ["source"]["file_stamps"][str(src / "a.jsonl")][1:]
+                                             * 2))
+        change()
+        r = _run(tmp_path, argv)
+        err = r.stderr.strip()
+        assert r.returncode == 1, (r.stdout, err)
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"ode-lm prepare: error: {data} was prepared from "), err
+        assert said in err and "new documents would not be read" in err, err
+        assert r.stdout == "", r.stdout  # no old counts
+        assert tree_hash(data) == before
+
+
+def test_ctrl_c_in_prepare_is_one_line_and_130(tmp_path):
+    """Ctrl-C pressed as a terminal does (the whole process group, workers included): one
+    stderr line, no worker's traceback, exit 130; the finished chunks stay for the rerun."""
+    import shutil
+    import signal
+    import time
+
+    script = shutil.which("ode-lm") or pytest.skip("the ode-lm script is not on PATH")
+    src = tmp_path / "big.jsonl"
+    line = json.dumps({"text": "a vector field integrated over depth, step by step " * 4})
+    src.write_text((line + "\n") * 200_000)
+    env = cli_env(tmp_path / "xla_cache")
+    proc = subprocess.Popen([script, "prepare", f"--source={src}", "--tokenizer=bytes",
+                             f"--data_dir={tmp_path / 'data'}", "--num_proc=2",
+                             "--docs_per_shard=2000", "--no_progress"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    time.sleep(5)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-3000:])
+    assert [x for x in err.splitlines() if x.strip()] == ["ode-lm prepare: stopped by Ctrl-C"], \
+        err[-3000:]

@@ -39,3 +39,25 @@ def test_the_patterns_catch_what_they_say():
     assert PATTERNS["a development tool's call"].search('run(command="bash x", carry=["w"])')
     assert not any(p.search("this host's rows; a release; 16 CPU-seconds")
                    for p in PATTERNS.values())
+
+
+DOC_PATTERNS = {
+    "the development machine": re.compile(r"\bdevelopment machine\b", re.I),
+    "an issue number": PATTERNS["an issue number"],
+    "one accelerator image": re.compile(r"\bthe H\d+ image\b", re.I),
+    "a heading naming one host's cores": re.compile(r"^#+ .*\b(?:\d+|two|four)[- ]cores?\b",
+                                                    re.I),
+}
+
+
+def test_no_development_machine_in_the_docs():
+    """The docs describe the product (measurements say where they were taken, in the line
+    that gives them); no page but the log, the history, speaks of the machine ode-lm was
+    developed on or of the tracker's issues."""
+    pages = [p for p in (REPO / "docs").glob("*.md") if p.name != "log.md"]
+    assert len(pages) > 10
+    hits = [f"{p.relative_to(REPO)}:{i}: {what}: {line.strip()[:80]}"
+            for p in pages
+            for i, line in enumerate(p.read_text().splitlines(), 1)
+            for what, pattern in DOC_PATTERNS.items() if pattern.search(line)]
+    assert not hits, hits

@@ -130,7 +130,10 @@ def test_the_export_entries_share_one_cli(tmp_path, script):
     ("neox", ["--format=onnx"], "--format='onnx': unknown format", 2),
     ("gpt2", ["--format=hf-neox"], "a gpt2 model can't be mapped to GPTNeoXForCausalLM", 1),
     ("llama", ["--format=hf", "--dtype=fp16"], "--dtype='fp16'", 2),
-    ("neox", ["--format=raw", "--num_steps=4"], "raw export keeps the continuous model", 1),
+    ("neox", ["--format=raw", "--num_steps=4"], "--num_steps=4 with --format=raw: a raw "
+     "export keeps the continuous model", 2),
+    ("neox", ["--format=raw", "--max_shard_mb=0"], "--max_shard_mb=0: must be > 0", 2),
+    ("neox", ["--format=raw", "--max_shard_mb=-1"], "--max_shard_mb=-1: must be > 0", 2),
 ])
 def test_cli_bad_input_one_line(tmp_path, capsys, flavour, extra, message, status):
     run = str(tmp_path / "run")
@@ -226,3 +229,39 @@ def test_overwrite_replaces_an_export_and_refuses_without_it(tmp_path, capsys):
     assert _cli([*argv, "--overwrite"]) == 0
     assert not (out / "stale.txt").exists() and (out / "config.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "run"]
+
+
+def test_a_failed_verify_leaves_the_old_export_and_writes_none(tmp_path):
+    """``--verify`` runs on the staged export, before the swap: a check that fails leaves
+    an old export whole (``--overwrite``) and writes nothing at a new ``--out``; one line,
+    exit 1. The check is made to fail by a tolerance of 0 (a sitecustomize in the
+    installed script's process)."""
+    import shutil
+
+    from data_helpers import tree_hash
+
+    script = shutil.which("ode-lm")
+    if script is None:
+        pytest.skip("the ode-lm console script is not on PATH (pip install -e .)")
+    run = str(tmp_path / "run")
+    make_run(run, tiny_config("llama"))
+    old = tmp_path / "old"
+    assert _cli([f"--model_dir={run}", "--format=raw", f"--out={old}", "--weights_only"]) == 0
+    before = tree_hash(old)
+    strict = tmp_path / "strict"
+    strict.mkdir()
+    (strict / "sitecustomize.py").write_text(
+        "from ode_lm.export import verify\nverify.TOLERANCE['fp32'] = 0.0\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(strict), REPO]))
+    env.pop("ODE_LM_DEBUG", None)
+    for out, extra in ((old, ["--overwrite"]), (tmp_path / "new", [])):
+        r = subprocess.run([script, "export", f"--model_dir={run}", "--format=raw",
+                            f"--out={out}", "--weights_only", "--verify", *extra], env=env,
+                           capture_output=True, text=True, timeout=300)
+        err = r.stderr.strip()
+        assert r.returncode == 1, (r.stdout, err)
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"ode-lm export: error: --verify: {out}: max |\u0394 logits|"), err
+        assert "--out left as it was" in err, err
+    assert tree_hash(old) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old", "run", "strict"]

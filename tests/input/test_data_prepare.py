@@ -175,3 +175,48 @@ def test_cli(tmp_path):
     assert bad.returncode == 1  # a run-time error (2 is for a command line that does not parse)
     assert bad.stderr.strip().count("\n") == 0 and "missing.jsonl" in bad.stderr
     assert bad.stderr.startswith("ode-lm prepare: error: ")
+
+
+def test_split_warnings_never_advise_the_holdout_given_or_one_below_zero():
+    """The advice names a --holdout_fraction above the one given (or none), and no lower
+    one than 0.0."""
+    import re
+
+    from ode_lm.commands.prepare import split_warnings
+
+    def warnings(train, val, fraction):
+        return split_warnings({"splits": {"train": {"tokens": train},
+                                          "validation": {"tokens": val}},
+                               "holdout": {"fraction": fraction}})
+
+    [train_line, _] = warnings(100, 0, 0.0)
+    assert "lower --holdout_fraction" not in train_line, train_line
+    for train, val, fraction in ((100_000, 10_000, 0.3), (1_000_000, 4_000, 0.05),
+                                 (1_000_000, 20_000, 0.02), (100_000, 100, 0.3)):
+        [line] = warnings(train, val, fraction)
+        advised = re.search(r"with --holdout_fraction=([0-9.]+)$", line)
+        assert advised is None or float(advised.group(1)) > fraction, line
+
+
+def test_train_flags_a_data_dir_whose_source_grew(tmp_path, caplog):
+    """``ensure_prepared`` (the trainer's data step) uses the data as prepared but says, in
+    one warning, that its source changed since: nothing silently left out."""
+    import json
+    import logging
+
+    from ode_lm.data import DataConfig, ensure_prepared
+
+    src = tmp_path / "a.jsonl"
+    docs = [json.dumps({"text": f"document {i} about solvers"}) + "\n" for i in range(60)]
+    src.write_text("".join(docs[:20]))
+    cfg = DataConfig(source=str(src), tokenizer="bytes", data_dir=str(tmp_path / "d"),
+                     holdout_fraction=0.1)
+    first = ensure_prepared(cfg)
+    src.write_text("".join(docs))
+    with caplog.at_level(logging.WARNING, logger="ode_lm"):
+        again = ensure_prepared(cfg)
+        ensure_prepared(cfg)  # said once
+    assert again["splits"] == first["splits"]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and f"whose file {src} changed since" in said[0], said
+    assert "the data as prepared is used" in said[0]

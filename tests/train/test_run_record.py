@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from data_helpers import cli_env, micro_cli_gin, tree_hash
 
@@ -125,6 +126,76 @@ def test_resume_with_new_settings_keeps_each_config(work, finished):
 
 
 @slow
+def test_resume_with_the_same_terms_or_a_hand_edited_config_is_no_change(work):
+    """A list of ``@Term()`` references and a reformatted value compare by value: a plain
+    resume keeps no ``config.<step>.gin`` and says nothing of changed settings."""
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / "terms"
+    gin = _gin(work, "terms", model, 3, extra=(
+        "RandomSteps.choices = (1, 2)\nKineticEnergy.weight = 0.5\n"
+        "StepConfig.terms = [@RandomSteps(), @KineticEnergy()]\n"))
+    argv = ["-m", "ode_lm.commands.train", f"--gin_file={gin}"]
+    first = _cmd(work, argv)
+    assert first.returncode == 0, first.stderr[-3000:]
+    for edit in (lambda text: text, lambda text: re.sub(
+            r"(StepConfig\.terms = )\[(.*)\]", r"\1(\2)", text.replace(
+            "KineticEnergy.weight = 0.5", "KineticEnergy.weight = 5e-1"))):
+        config = model / "config.gin"
+        config.write_text(edit(config.read_text()))
+        shutil.rmtree(model / "checkpoints" / "3")  # an interrupted run, resumed at step 2
+        r = _cmd(work, argv)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert "settings changed" not in r.stdout, r.stdout
+        assert sorted(p.name for p in model.glob("config*.gin")) == ["config.gin"]
+
+
+def _corpus(path: Path, words: list[str], n: int = 300) -> Path:
+    import random
+
+    rng = random.Random(len(words))
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=30))}) + "\n"
+                            for _ in range(n)))
+    return path
+
+
+@slow
+def test_resume_on_another_tokenizer_of_the_same_spec_is_refused(work):
+    """``bpe:300`` trained on another corpus is another tokenizer: a resume on it is refused
+    in one line (by the run's ``inputs.json``, or by its old data dir's manifest), MODEL_DIR
+    left as it was."""
+    work.mkdir(parents=True, exist_ok=True)
+    a = _corpus(work / "a.jsonl", ["ode", "solver", "euler", "midpoint", "step", "grid"])
+    b = _corpus(work / "b.jsonl", ["token", "vocab", "merge", "byte", "pair", "corpus", "x"])
+    model = work / "tok"
+    gin = work / "tok.gin"
+    gin.write_text(micro_cli_gin(work / "tok_a", model, train_steps=2, ici="(-1, 1, 1)")
+                   + f"TOKENIZER = 'bpe:300'\nDataConfig.source = '{a}'\n")
+    argv = ["-m", "ode_lm.commands.train", f"--gin_file={gin}"]
+    r = _cmd(work, argv)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((model / "inputs.json").read_text())["tokenizer"]["spec"] == "bpe:300"
+    before = tree_hash(model)
+    other = [f"--gin.DataConfig.source='{b}'", "--gin.TRAIN_STEPS=3"]
+    cases = {"another data dir": [f"--gin.DATA_DIR='{work / 'tok_b'}'"],
+             "the data dir prepared again": []}
+    for case, extra in cases.items():
+        if not extra:
+            shutil.rmtree(work / "tok_a")  # same path, now prepared from another corpus
+        r = _cmd(work, [*argv, *other, *extra])
+        err = r.stderr.strip()
+        assert r.returncode == 1, (case, r.stdout[-2000:], err[-2000:])
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, (case, err)
+        assert "tokenizer mismatch: MODEL_DIR=" in err and "'bpe:300'" in err, (case, err)
+        assert tree_hash(model) == before, case
+    # its checkpoints do not evaluate on the data dir prepared again either
+    r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={model}"])
+    err = r.stderr.strip()
+    assert r.returncode == 1 and len(err.splitlines()) == 1, (r.stdout[-2000:], err[-2000:])
+    assert err.startswith(f"ode-lm eval: error: tokenizer mismatch: --model_dir={model}"), err
+    assert tree_hash(model) == before
+
+
+@slow
 def test_resume_drops_metrics_logged_after_the_checkpoint(work, finished):
     model = _copy(finished, work / "trimmed")
     with open(model / "metrics.jsonl", "a") as f:  # a killed run's rows past checkpoint 3
@@ -226,12 +297,28 @@ def _press(work: Path, name: str, steps: int, patch: str) -> tuple[subprocess.Co
 
 
 @slow
-def test_ctrl_c_during_the_final_eval_stops_as_during_training(work, finished):
+def test_ctrl_c_during_the_final_eval_stops_it_and_a_rerun_runs_it(work, finished):
+    """A first Ctrl-C during the final eval ends it at once (the last step is saved), not
+    after it; the rerun of the same command, with nothing to train, runs the eval it
+    skipped and writes the summary and its table."""
     r, model = _press(work, "ctrl_c_final_eval", 3, _DURING_FINAL_EVAL)
     assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
     assert _lines(r.stderr) == [], r.stderr[-3000:]
     assert _lines(r.stdout)[-1] == "stopped by Ctrl-C after step 3; checkpoint saved", r.stdout
     assert _ckpt_steps(model) == [3]
+    assert not any("eval/loss" in row for row in _rows(model))  # stopped, not finished
+    assert not (model / "summary.json").exists()
+    r = _cmd(work, ["-m", "ode_lm", "train", f"--gin_file={work / 'ctrl_c_final_eval.gin'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "its final eval did not run (stopped by Ctrl-C?): running it now" in r.stdout
+    assert any(line.startswith("one set of weights") for line in r.stdout.splitlines())
+    assert json.loads((model / "summary.json").read_text())["steps"] == 3
+    assert [row["step"] for row in _rows(model) if "eval/loss" in row] == [3]
+    assert _ckpt_steps(model) == [3]
+    before = tree_hash(model)  # and then: nothing to train, nothing changed
+    r = _cmd(work, ["-m", "ode_lm", "train", f"--gin_file={work / 'ctrl_c_final_eval.gin'}"])
+    assert r.returncode == 0 and "nothing to train" in r.stdout, r.stdout
+    assert tree_hash(model) == before
 
 
 @slow
@@ -312,6 +399,107 @@ def test_damaged_latest_checkpoint_is_one_line_and_the_summary_names_the_step(wo
     assert r.returncode == 0 and len(_lines(r.stderr)) == 1, r.stderr
     assert f"exported step {damaged - 1} of" in r.stdout
     assert tree_hash(model) == before
+
+
+@slow
+def test_eval_log_on_a_run_in_training_is_refused_before_it_evaluates(work, finished):
+    """``eval --log`` takes the run lock first: while a run holds MODEL_DIR it is refused
+    at once, in one line, having evaluated nothing and changed nothing."""
+    before = tree_hash(finished)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from ode_lm.training import run_lock\n"
+         f"with run_lock.hold({str(finished)!r}):\n    print('held', flush=True)\n"
+         "    sys.stdin.read()\n"], cwd=REPO, env=_env(work), stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={finished}", "--log"])
+    finally:
+        holder.communicate("", timeout=60)
+    err = r.stderr.strip()
+    assert r.returncode == 1 and len(err.splitlines()) == 1, (r.stdout, err[-2000:])
+    assert "is in use by another training run" in err, err
+    assert r.stdout == "", r.stdout  # nothing evaluated
+    assert tree_hash(finished) == before
+
+
+@slow
+def test_eval_at_another_n_prints_its_gap_to_the_runs_own(work, finished):
+    """``eval --num_steps=4`` on a run trained at N=2 evaluates the own N too and prints the
+    gap, as ``--solves`` does; the run is left as it was."""
+    before = tree_hash(finished)
+    r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={finished}", "--num_steps=4"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = json.loads(r.stdout.splitlines()[-1])
+    gap = results["eval/perplexity@steps=4"] / results["eval/perplexity"] - 1
+    assert results["eval/depth_gap/steps=4"] == pytest.approx(gap, abs=1e-9)
+    assert any(line.startswith("steps=4: perplexity ") and f"gap {gap:+.2%}" in line
+               for line in r.stdout.splitlines()), r.stdout
+    assert tree_hash(finished) == before
+
+
+@slow
+@pytest.mark.parametrize("command", ["eval", "sample"])
+def test_ctrl_c_outside_training_is_one_line_and_130(work, finished, command):
+    """Ctrl-C in ``eval`` (mid-evaluation) and ``sample`` (compiling), pressed as a terminal
+    does (the whole process group): one stderr line, no traceback, no crash, exit 130, the
+    run left as it was."""
+    before = tree_hash(finished)
+    argv = {"eval": ["--num_steps=64,128,256,512"],
+            "sample": ["--prompt=The", "--max_new_tokens=24", "--num_steps=4096"]}[command]
+    proc = subprocess.Popen([shutil.which("ode-lm") or pytest.skip("no ode-lm script"),
+                             command, f"--model_dir={finished}", *argv], cwd=REPO,
+                            env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    time.sleep({"eval": 12, "sample": 7}[command])  # restored, evaluating or compiling
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (proc.returncode, out[-2000:], err[-3000:])
+    assert _lines(err) == [f"ode-lm {command}: stopped by Ctrl-C"], err[-3000:]
+    assert tree_hash(finished) == before
+
+
+def _rot_latest(model: Path) -> int:
+    """Bit rot: the latest step's array data files keep their size, their bytes random."""
+    step = _ckpt_steps(model)[-1]
+    data = (model / "checkpoints" / str(step) / "state").glob("ocdbt.process_*/d/*")
+    victims = [p for p in data if p.stat().st_size > 4096]
+    assert victims
+    for victim in victims:
+        victim.write_bytes(np.random.default_rng(0).bytes(victim.stat().st_size))
+    return step
+
+
+@slow
+def test_bit_rotted_checkpoint_is_damaged_not_nan(work, finished):
+    """Random bytes of the right size read back as NaN/Inf parameters: the step is damaged
+    (named, one line), never a ``nan`` eval with exit 0 or a resume that blames the
+    learning rate."""
+    model = _copy(finished, work / "rotted")
+    rotted = _rot_latest(model)
+    before = tree_hash(model)
+    for argv in (["eval", f"--model_dir={model}", f"--step={rotted}"],
+                 ["sample", f"--model_dir={model}", f"--step={rotted}", "--prompt=The",
+                  "--max_new_tokens=2", "--no_timing"]):
+        r = _cmd(work, ["-m", "ode_lm", *argv])
+        err = r.stderr.strip()
+        assert r.returncode == 1, (argv[0], r.stdout[-2000:], err[-2000:])
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert err.startswith(f"ode-lm {argv[0]}: error: checkpoint "
+                              f"{model / 'checkpoints' / str(rotted)} is damaged (NaN or Inf in "
+                              ), err
+    r = _cmd(work, ["-m", "ode_lm", "eval", f"--model_dir={model}"])  # the latest: falls back
+    assert r.returncode == 0, r.stderr[-3000:]
+    [line] = _lines(r.stderr)
+    assert line.startswith(f"checkpoint step {rotted} is damaged (NaN or Inf in "), line
+    assert line.endswith(f"falling back to step {rotted - 1}"), line
+    assert f"step: {rotted - 1}.0000" in r.stdout and "nan" not in r.stdout, r.stdout
+    assert tree_hash(model) == before
+    r = _cmd(work, ["-m", "ode_lm.commands.train", f"--gin_file={work / 'finished.gin'}",
+                    f"--gin.MODEL_DIR='{model}'", "--gin.TRAIN_STEPS=4"])  # resumes at 2
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"checkpoint step {rotted} is damaged (NaN or Inf in " in r.stderr, r.stderr
+    assert "resumed from step 2" in r.stdout, r.stdout
 
 
 def test_damage_cause_is_a_few_words():
@@ -450,6 +638,13 @@ def test_config_changes_name_each_binding():
     new = "ODE_STEPS = 8\nModelConfig.num_steps = %ODE_STEPS\nOptimizerConfig.lr = 0.001\n"
     assert config_changes(old, new) == ["ODE_STEPS 4 \u2192 8"]
     assert config_changes(old, old) == []
+    terms = "StepConfig.terms = [@RandomSteps(), @KineticEnergy()]\nA.x = 0.001\n"
+    assert config_changes(terms, terms) == []  # by value, not by object address
+    assert config_changes(terms, terms.replace("0.001", "1e-3").replace("[", "(")
+                          .replace("]", ")")) == []
+    assert config_changes(terms, terms.replace("@KineticEnergy()", "@Distillation()")) == [
+        "StepConfig.terms (@RandomSteps(), @KineticEnergy()) \u2192 "
+        "(@RandomSteps(), @Distillation())"]
 
 
 def test_second_sigint_raises_stop_now():
@@ -469,3 +664,39 @@ def test_second_sigint_raises_stop_now():
         w.uninstall()
     assert signal.getsignal(signal.SIGINT) is before
 
+
+
+def test_a_first_ctrl_c_ends_the_final_eval_at_once():
+    from ode_lm.training.preemption import PreemptionWatcher, StopEval
+
+    before = signal.getsignal(signal.SIGINT)
+    w = PreemptionWatcher().install()
+    try:
+        with pytest.raises(StopEval), w.interruptible():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)  # the handler runs here: the eval does not go on
+            raise AssertionError("the eval went on after Ctrl-C")
+        assert w.reason == "Ctrl-C" and w.should_stop(3)
+        with pytest.raises(StopEval), w.interruptible():  # pressed before: never begins
+            raise AssertionError("an eval begun after Ctrl-C")
+    finally:
+        w.uninstall()
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_long_first_batch_is_not_silent():
+    """``eval --num_steps=100000``: the first batch solves for minutes; the progress line
+    says so every ``every_s`` instead of nothing, and stops with the pass."""
+    from ode_lm.training.metrics import Progress
+
+    shown = []
+    p = Progress("eval@steps=100000", 4, every_s=0.1, log_fn=shown.append, heartbeat=True)
+    time.sleep(0.5)
+    p.update(1)
+    p.done()
+    count = len(shown)
+    time.sleep(0.3)
+    assert len(shown) == count  # the heartbeat ended with the pass
+    assert shown[0].startswith("eval@steps=100000: 0/4 batches | 0s on the first "
+                               "(compile + run)"), shown
+    assert shown[-1].startswith("eval@steps=100000: 1/4 batches | "), shown
