@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ode_lm import cli
+from ode_lm.models.solve import Solve
 from ode_lm.training import metric_names as names
 from ode_lm.training.run_dir import SUMMARY, RunDir
 
@@ -58,10 +59,8 @@ class Run:
         return any(k.startswith(names.name(names.PERPLEXITY) + "@") for k in row)
 
     def name(self, metric: str, setting: str) -> str:
-        solve = (names.Solve(self.solver, int(setting)) if setting.isdigit()
-                 else names.parse_solve(setting, "setting"))
-        return names.name(metric, names.metric_suffix(
-            solve.num_steps, self.num_steps, solve.solver, solve.rtol, model_solver=self.solver))
+        solve = Solve.parse(setting, "setting")  # '6': an N of the run's own solver
+        return names.name(metric, solve.relative(self.solver, self.num_steps).suffix)
 
 
 def solver_label(solver: str) -> str:

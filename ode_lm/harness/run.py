@@ -121,7 +121,8 @@ def evaluate_model(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     another M; an adaptive solve has one entry per call, unsuffixed."""
     require_lm_eval()
     from ode_lm.harness.adapter import OdeLM
-    from ode_lm.training.metric_names import is_adaptive, metric_suffix
+    from ode_lm.models.solve import is_adaptive
+    from ode_lm.training.metric_names import metric_suffix
 
     tasks = parse_tasks(tasks)
     out: dict[str, float] = {}

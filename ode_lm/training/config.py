@@ -20,7 +20,7 @@ from ode_lm.config_types import (
 from ode_lm.errors import SettingError
 from ode_lm.models import solvers as solvers_lib
 from ode_lm.models.config import ModelConfig
-from ode_lm.training.evaluation import parse_solve
+from ode_lm.models.solve import Solve
 
 EVAL_SOLVERS = solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS  # TrainConfig.eval_solver
 
@@ -62,7 +62,7 @@ class TrainConfig:
             require_one_of(self, "eval_solver", EVAL_SOLVERS)
         for spec in self.eval_solves:
             try:
-                parse_solve(spec, "TrainConfig.eval_solves")
+                Solve.parse(spec, "TrainConfig.eval_solves")
             except ValueError as e:  # names the entry: TrainConfig.eval_solves='rk4:step=8'
                 raise SettingError(str(e)) from None
         require_positive(self, "cpu_peak_flops")

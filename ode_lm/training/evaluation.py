@@ -19,9 +19,10 @@ from typing import Any
 
 import jax
 
+from ode_lm.models.solve import Solve, is_adaptive
 from ode_lm.training import metric_names as names
 from ode_lm.training import step as step_lib
-from ode_lm.training.metric_names import GAP_PREFIX, Solve, metric_suffix, parse_solve
+from ode_lm.training.metric_names import GAP_PREFIX, metric_suffix
 from ode_lm.training.state import StateSpec
 
 LOSS, PERPLEXITY, NFE, TOKENS = names.LOSS, names.PERPLEXITY, names.NFE, names.TOKENS
@@ -30,7 +31,7 @@ LOSS, PERPLEXITY, NFE, TOKENS = names.LOSS, names.PERPLEXITY, names.NFE, names.T
 def sweep_solves(num_steps: Sequence[int | None] = (None,), solver: str | None = None,
                  rtol: float | None = None) -> list[Solve]:
     """A depth sweep as settings: ``solver`` at each N (an adaptive solver: once, at rtol)."""
-    if names.is_adaptive(solver):
+    if is_adaptive(solver):
         return [Solve(solver, rtol=rtol)]
     return [Solve(solver, n) for n in num_steps]
 
@@ -68,16 +69,11 @@ class Evaluator:
 
     def resolve(self, solve: Solve) -> Solve:
         """``solve`` with the run's solver, N or rtol where it leaves them ``None``."""
-        solver = solve.solver or self.model_solver
-        if names.is_adaptive(solver):
-            return Solve(solver, rtol=self.model_rtol if solve.rtol is None else solve.rtol)
-        return Solve(solver, self.model_num_steps if solve.num_steps is None else solve.num_steps)
+        return solve.resolved(self.model_solver, self.model_num_steps, self.model_rtol)
 
     def suffix(self, solve: Solve) -> str:
         """The name suffix of ``solve`` (``metric_suffix`` with this run's own settings)."""
-        r = self.resolve(solve)
-        return metric_suffix(r.num_steps, self.model_num_steps, r.solver, r.rtol,
-                             model_solver=self.model_solver)
+        return self.resolve(solve).relative(self.model_solver, self.model_num_steps).suffix
 
     def settings(self, solves: Sequence[Solve]) -> dict[str, Solve]:
         """suffix → resolved setting, in order, one entry per name (what ``evaluate`` runs)."""
@@ -173,7 +169,7 @@ class LossEval(EvalHook):
         """``TrainConfig.eval_num_steps`` with ``eval_solver``, then ``eval_solves``."""
         return cls([*sweep_solves((None, *train_config.eval_num_steps),
                                   train_config.eval_solver),
-                    *(parse_solve(s, "TrainConfig.eval_solves")
+                    *(Solve.parse(s, "TrainConfig.eval_solves")
                       for s in train_config.eval_solves)])
 
     def __call__(self, ctx: EvalContext) -> dict[str, float]:

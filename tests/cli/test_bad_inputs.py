@@ -133,11 +133,11 @@ CASES: dict[str, tuple[list[str], str, int]] = {
         [*EVAL, "--lm_eval_tasks=x", "--lm_eval_include_path={WORK}/nope"],
         "--lm_eval_include_path=", FAILED),
     "eval: unknown solver in --solves": ([*EVAL, "--solves=euler:2 rk5:4"],
-                                         "--solves='euler:2 rk5:4': 'rk5:4': unknown solver",
+                                         "'rk5:4': solver 'rk5' is not one",
                                          USAGE),
     "eval: a --solves step count not a number": (
         [*EVAL, "--solves=euler:2,x"], "'x' is not a whole number of steps", USAGE),
-    "eval: a zero --solves tolerance": ([*EVAL, "--solves=adaptive:0"], "0 must be > 0",
+    "eval: a zero --solves tolerance": ([*EVAL, "--solves=adaptive:0"], "rtol must be > 0",
                                         USAGE),
     "eval: an empty --solves": ([*EVAL, "--solves= "], "--solves=' ': expected e.g.", USAGE),
     "eval: --solves with --num_steps": ([*EVAL, "--solves=euler:2", "--num_steps=4"],
