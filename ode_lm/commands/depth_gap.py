@@ -3,7 +3,7 @@
   ode-lm depth-gap table NAME=DIR[@STEP] ... [--baseline=GROUP] [--json=FILE]
   ode-lm depth-gap plot --out=FILE.png NAME=DIR ...
 
-Every in-loop eval of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) logs a
+Every in-loop eval of a run (``TrainConfig.eval_solves``) logs a
 perplexity at some N or solver; the gap of a setting is its perplexity relative to the run's
 own solver and N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in TensorBoard.
 ``table`` prints one markdown row per run (the run's own solver at N = 1..24, its own N in
@@ -100,7 +100,7 @@ def read_run(run_dir: str) -> Run:
     run = Run(rows, config.solver, config.num_steps)
     if not any(run.has_gap(row) for row in rows):
         raise ValueError(f"{run_dir}: no depth-gap metrics (its evals measured only its own "
-                         "solver and N: set TrainConfig.eval_num_steps or eval_solves)")
+                         "solver and N: set TrainConfig.eval_solves)")
     return run
 
 

@@ -160,7 +160,7 @@ class LmEval(EvalHook):
         if not train_config.lm_eval_tasks:
             return []
         return [cls(train_config.lm_eval_tasks, include_path=train_config.lm_eval_include_path,
-                    limit=train_config.lm_eval_limit, solver=train_config.eval_solver)]
+                    limit=train_config.lm_eval_limit)]
 
     def __call__(self, ctx: EvalContext) -> dict[str, float]:
         from flax import nnx

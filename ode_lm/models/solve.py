@@ -88,8 +88,33 @@ class Solve:
     def __str__(self) -> str:
         return self.words
 
+    @classmethod
+    def of(cls, num_steps: int | None = None, solver: str | None = None,
+           rtol: float | None = None, atol: float | None = None) -> Solve:
+        """The solve a command's flags describe: N for a fixed-grid solver (or the model's
+        own), rtol/atol for an adaptive one (``cli.check_solver_flags`` refuses the flags
+        the solver has no use for before this is built)."""
+        if is_adaptive(solver):
+            return cls(solver, rtol=rtol, atol=atol)
+        return cls(solver, num_steps)
+
     def replace(self, **changes) -> Solve:
         return dataclasses.replace(self, **changes)
+
+    def changes(self) -> dict[str, Any]:
+        """The fields set away from the model's own (what a discrete model cannot run; a
+        grid offset turned off is no change)."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        unset = lambda v: v is None or v is False or (isinstance(v, tuple) and not v)
+        return {k: v for k, v in values.items() if not unset(v)}
+
+    def describe(self) -> str:
+        """``'rk4:steps=8'`` or, beyond what the text says, ``Solve(integrate=...)``."""
+        extra = {k: v for k, v in self.changes().items()
+                 if k not in ("solver", "num_steps", "rtol")}
+        if self.words and not extra:
+            return repr(self.words)
+        return "Solve(" + ", ".join(f"{k}={v!r}" for k, v in self.changes().items()) + ")"
 
     @classmethod
     def parse(cls, text: str, what: str = "solve") -> Solve:
@@ -158,3 +183,6 @@ def parse_solves(text: str, what: str = "solves") -> list[Solve]:
     if not solves:
         raise ValueError(f"{what}={text!r}: expected e.g. \"euler:4,6,8 rk4:8 adaptive:1e-3\"")
     return solves
+
+
+OWN = Solve()  # the model's own solve: its solver at its N (adaptive: its tolerances)

@@ -90,8 +90,9 @@ CASES: dict[str, tuple[list[str], str, int]] = {
                                 USAGE),
     "train: zero step count": ([*TRAIN, "--gin.TRAIN_STEPS=0"], "num_train_steps=0", USAGE),
     "train: unknown solver": ([*TRAIN, "--gin.ModelConfig.solver='rk5'"], "rk5", USAGE),
-    "train: unknown eval solver": ([*TRAIN, "--gin.TrainConfig.eval_solver='rk5'"],
-                                   "TrainConfig.eval_solver='rk5'", USAGE),
+    "train: a removed eval setting": ([*TRAIN, "--gin.TrainConfig.eval_num_steps=(4,)"],
+                                      "TrainConfig.eval_num_steps=(4,): no longer a setting; "
+                                      "every eval solve is in TrainConfig.eval_solves", USAGE),
     "train: unknown flag": ([*TRAIN, "--bogus_flag"], "--bogus_flag", USAGE),
     "train: abbreviated flag": ([*TRAIN, "--gin_bind=x = 1"], "--gin_bind", USAGE),
     "train: bad step choices": ([*TRAIN, "--gin.StepConfig.terms=[@RandomSteps()]",

@@ -29,6 +29,7 @@ from numerics import F32_EPS
 
 from ode_lm import partitioning
 from ode_lm.models import build_model
+from ode_lm.models.solve import Solve
 from ode_lm.training import objective as obj
 from ode_lm.training import state as state_lib
 from ode_lm.training import step as step_lib
@@ -82,9 +83,9 @@ def _train(spec, terms, steps: int, seed: int = 0):
 def _evaluate(spec, params, solver, setting):
     """Loss and NFE over two batches at one solve (N for a fixed grid, else rtol)."""
     if solver in ("adaptive", "bosh3", "dopri5"):
-        step = step_lib.make_eval_step(spec, None, solver, rtol=setting)
+        step = step_lib.make_eval_step(spec, Solve(solver, rtol=setting))
     else:
-        step = step_lib.make_eval_step(spec, setting, solver)
+        step = step_lib.make_eval_step(spec, Solve(solver, setting))
     with jax.set_mesh(spec.mesh):
         res = step_lib.run_eval(step, params, [_batch(100), _batch(101)])
     return {"loss": res.loss, "nfe": res.nfe, "capped": res.capped}

@@ -195,9 +195,9 @@ def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
 
     calls = []
 
-    def fake_result(self, params, num_steps=None, solver=None, *, rtol=None, atol=None):
-        calls.append((num_steps, solver, rtol))
-        return EvalResult(loss=float(num_steps or 4), tokens=10.0, nfe=1.0)
+    def fake_result(self, params, solve):
+        calls.append((solve.num_steps, solve.solver, solve.rtol))
+        return EvalResult(loss=float(solve.num_steps or 4), tokens=10.0, nfe=1.0)
 
     monkeypatch.setattr(evaluation.Evaluator, "result", fake_result)
     ev = evaluation.Evaluator(None, lambda: [], model_num_steps=4, model_rtol=1e-3)
