@@ -35,6 +35,7 @@ from ode_lm.errors import UsageError
 from ode_lm.models import solvers
 from ode_lm.models.common import compute_dtype
 from ode_lm.models.config import ModelConfig
+from ode_lm.models.solve import Solve
 from ode_lm.models.vector_field import KVCache, VectorField
 
 
@@ -188,7 +189,8 @@ def _generate_recompute(graphdef, state, tokens, valid, key, *, max_new_tokens, 
 
     def body(i, carry):
         buf, key = carry
-        logits = model(buf, positions, segment_ids, solver=solver, rtol=rtol, atol=atol)
+        logits = model(buf, positions, segment_ids,
+                       solve=Solve(solver, rtol=rtol, atol=atol))
         key, sub = jax.random.split(key)
         last = jax.lax.dynamic_index_in_dim(logits, p + i - 1, axis=1, keepdims=False)
         nxt = sample_token(last, sub, temperature, top_p, vocab_limit)

@@ -306,10 +306,11 @@ def auto_draft(model: nnx.Module, model_dir: str, verify: tuple[int, str]) -> Dr
     if config is None:
         raise UsageError(f"--draft=auto: {model_dir} names no validation data")
 
-    @nnx.jit(static_argnames=("num_steps", "solver"))
-    def argmax(m, batch, num_steps, solver):
-        logits = m(batch["inputs"], batch["positions"], batch["segment_ids"],
-                   num_steps=num_steps, solver=solver)
+    from ode_lm.models.solve import Solve
+
+    @nnx.jit(static_argnames=("solve",))
+    def argmax(m, batch, solve):
+        logits = m(batch["inputs"], batch["positions"], batch["segment_ids"], solve=solve)
         return jnp.argmax(logits, axis=-1)
 
     same = dict.fromkeys(AUTO_DRAFT_STEPS, 0.0)
@@ -319,9 +320,9 @@ def auto_draft(model: nnx.Module, model_dir: str, verify: tuple[int, str]) -> Dr
             break
         batch = {k: jnp.asarray(v) for k, v in batch.items()}
         mask = np.asarray(batch["loss_mask"]) > 0
-        target = np.asarray(argmax(model, batch, verify[0], verify[1]))
+        target = np.asarray(argmax(model, batch, Solve(verify[1], verify[0])))
         for n in AUTO_DRAFT_STEPS:
-            guess = np.asarray(argmax(model, batch, n, "euler"))
+            guess = np.asarray(argmax(model, batch, Solve("euler", n)))
             same[n] += float(((guess == target) & mask).sum())
         count += float(mask.sum())
     agreement = {n: same[n] / max(count, 1.0) for n in AUTO_DRAFT_STEPS}

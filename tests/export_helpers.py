@@ -12,6 +12,7 @@ from model_helpers import LIVELY
 
 from ode_lm import partitioning
 from ode_lm.models import ModelConfig, build_model
+from ode_lm.models.solve import Solve
 from ode_lm.training.checkpoint import CheckpointConfig, Checkpointer
 from ode_lm.training.run_dir import RunDir
 
@@ -43,4 +44,4 @@ def make_run(model_dir: str, config: ModelConfig, step: int = 5, seed: int = 0):
 
 
 def logits(model, tokens: np.ndarray, num_steps=None) -> np.ndarray:
-    return np.asarray(model(jnp.asarray(tokens, jnp.int32), num_steps=num_steps))
+    return np.asarray(model(jnp.asarray(tokens, jnp.int32), solve=Solve(None, num_steps)))

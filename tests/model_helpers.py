@@ -10,6 +10,7 @@ import numpy as np
 from flax import nnx
 
 from ode_lm.models import ModelConfig, build_model
+from ode_lm.models.solve import Solve
 
 # The smallest model that still has every part (2 heads, a time MLP, 2 solver steps).
 TINY = dict(vocab_size=64, d_model=32, num_heads=2, max_seq_len=32, num_steps=2,
@@ -43,7 +44,7 @@ def greedy_uncached(model: nnx.Module, prompt: Sequence[int], max_new_tokens: in
 
     @nnx.jit
     def fwd(m, tokens):
-        return m(tokens, num_steps=num_steps, solver=solver, rtol=rtol, atol=atol)[0]
+        return m(tokens, solve=Solve.of(num_steps, solver, rtol, atol))[0]
 
     for i in range(max_new_tokens):
         logits = fwd(model, jnp.asarray(buf))

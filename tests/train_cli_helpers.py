@@ -30,7 +30,7 @@ RandomSteps.choices = (1, 2, 3)
 KineticEnergy.weight = 0.5
 StepConfig.terms = [@RandomSteps(), @KineticEnergy()]
 TrainConfig.eval_every = 0
-TrainConfig.eval_num_steps = (4,)
+TrainConfig.eval_solves = ('steps=4',)
 OptimizerConfig.learning_rate = 3e-3
 OptimizerConfig.warmup_steps = 2
 CheckpointConfig.max_to_keep = 3

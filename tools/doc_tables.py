@@ -51,7 +51,7 @@ def _source_line(name: str, data: dict) -> str:
 
 def render_demo(data: dict) -> str:
     """The depth table ``ode-lm train`` prints at the end of a run, from its summary.json."""
-    from ode_lm.training.metric_names import Solve
+    from ode_lm.models.solve import Solve
     from ode_lm.training.summary import depth_table
 
     settings = {k: Solve(**v) for k, v in data["settings"].items()}

@@ -65,7 +65,8 @@ def depth_curve(evaluate: Callable[..., Any], *, num_steps: Sequence[int] = DEFA
                 adaptive_solver: str = "adaptive", atol: float | None = None,
                 log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """{"ppl": {solver: {"N": ppl}}, "nfe": {solver: {"N": nfe}}, "adaptive": [{"rtol",
-    "ppl", "nfe"}]} from ``evaluate(num_steps, solver, rtol=, atol=) -> EvalResult``."""
+    "ppl", "nfe"}]} from ``evaluate(solve: models.solve.Solve) -> EvalResult``."""
+    from ode_lm.models.solve import Solve
     from ode_lm.training.metrics import Progress
 
     ppl: dict[str, dict[str, float]] = {}
@@ -75,13 +76,13 @@ def depth_curve(evaluate: Callable[..., Any], *, num_steps: Sequence[int] = DEFA
     for solver in solvers:
         ppl[solver], nfe[solver] = {}, {}
         for n in num_steps:
-            res = evaluate(n, solver)
+            res = evaluate(Solve(solver, n))
             ppl[solver][str(n)], nfe[solver][str(n)] = res.perplexity, res.nfe
             log(f"{solver:>8} N={n:<3d} ppl {res.perplexity:10.2f}")
             progress.update(progress.done_items + 1)
     adaptive = []
     for rtol in rtols:
-        res = evaluate(None, adaptive_solver, rtol=rtol, atol=atol)
+        res = evaluate(Solve(adaptive_solver, rtol=rtol, atol=atol))
         capped = getattr(res, "capped", 0.0)
         adaptive.append({"rtol": rtol, "ppl": res.perplexity, "nfe": res.nfe, "capped": capped})
         log(f"{adaptive_solver:>8} rtol={rtol:g} ppl {res.perplexity:10.2f} NFE {res.nfe:.1f}"

@@ -26,7 +26,7 @@ RECIPES = {"default": None, "depth_robust": "recipes/depth_robust.gin",
 OWN_N = 6  # the demo's ODE_STEPS: every ODE run's own N
 FINETUNE_DEPTHS = (3, 12)
 FINETUNE_METHODS = ("full", "lora")
-NO_SWEEP = ("TrainConfig.eval_num_steps = ()", "TrainConfig.eval_solves = ()")
+NO_SWEEP = ("TrainConfig.eval_solves = ()",)
 
 
 def ppl(record: dict, setting: str = "") -> float:
@@ -58,8 +58,8 @@ class Context:
     def ode_spec(self, recipe: str, seed: int) -> RunSpec:
         files = [RUN] + ([RECIPES[recipe]] if RECIPES[recipe] else [])
         bindings = {"default": [], "depth_robust": list(NO_SWEEP),
-                    "paper": [f"TrainConfig.eval_num_steps = {FINETUNE_DEPTHS}",
-                              "TrainConfig.eval_solves = ()"]}[recipe]
+                    "paper": ["TrainConfig.eval_solves = "
+                              f"{tuple(f'steps={n}' for n in FINETUNE_DEPTHS)}"]}[recipe]
         return self._spec(f"ode-{recipe}", files, bindings, seed)
 
     def baseline(self, arch: str, seed: int, steps: int | None = None) -> dict:

@@ -3,7 +3,7 @@
   ode-lm depth-gap table NAME=DIR[@STEP] ... [--baseline=GROUP] [--json=FILE]
   ode-lm depth-gap plot --out=FILE.png NAME=DIR ...
 
-Every in-loop eval of a run (``TrainConfig.eval_num_steps`` / ``eval_solves``) logs a
+Every in-loop eval of a run (``TrainConfig.eval_solves``) logs a
 perplexity at some N or solver; the gap of a setting is its perplexity relative to the run's
 own solver and N (``eval/perplexity``), as ``eval/depth_gap/<setting>`` in TensorBoard.
 ``table`` prints one markdown row per run (the run's own solver at N = 1..24, its own N in
@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ode_lm import cli
+from ode_lm.models.solve import Solve
 from ode_lm.training import metric_names as names
 from ode_lm.training.run_dir import SUMMARY, RunDir
 
@@ -59,10 +60,8 @@ class Run:
         return any(k.startswith(names.name(names.PERPLEXITY) + "@") for k in row)
 
     def name(self, metric: str, setting: str) -> str:
-        solve = (names.Solve(self.solver, int(setting)) if setting.isdigit()
-                 else names.parse_solve(setting, "setting"))
-        return names.name(metric, names.metric_suffix(
-            solve.num_steps, self.num_steps, solve.solver, solve.rtol, model_solver=self.solver))
+        solve = Solve.parse(setting, "setting")  # '6': an N of the run's own solver
+        return names.name(metric, solve.relative(self.solver, self.num_steps).suffix)
 
 
 def solver_label(solver: str) -> str:
@@ -111,7 +110,7 @@ def read_run(run_dir: str, *, discrete_ok: bool = False) -> Run:
         return run
     if not any(run.has_gap(row) for row in rows):
         raise ValueError(f"{run_dir}: no depth-gap metrics (its evals measured only its own "
-                         "solver and N: set TrainConfig.eval_num_steps or eval_solves)")
+                         "solver and N: set TrainConfig.eval_solves)")
     return run
 
 

@@ -79,6 +79,7 @@ def report_baseline(model_dir: str, args, log) -> dict:
 
 def report_run(model_dir: str, args, log) -> dict:
     from ode_lm.analysis import depth
+    from ode_lm.models.solve import Solve
     from ode_lm.training.saved_run import load_run
 
     run = load_run(model_dir, args.step)
@@ -93,7 +94,7 @@ def report_run(model_dir: str, args, log) -> dict:
     trained_n, solver = run.config.num_steps, run.config.solver
     ref = curve["ppl"].get(solver, {}).get(str(trained_n))
     if ref is None:  # the relative panel's reference, also when --num_steps leaves it out
-        ref = run.evaluate(trained_n, solver).perplexity
+        ref = run.evaluate(Solve(solver, trained_n)).perplexity
     smooth = depth.weight_smoothness(model.weights_at)
     log(f"smoothness max_t ‖W(t+δ)−W(t)‖/(δ‖W(t)‖) = {smooth['max']:.4g} ({smooth['argmax']})")
     return {"model_dir": model_dir, "step": run.step,

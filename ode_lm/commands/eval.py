@@ -38,41 +38,20 @@ SOLVES_HELP = """--solves syntax: space-separated groups, in one quoted argument
   euler:4,6,8       a fixed-grid solver (euler | midpoint | rk4) at each N
   adaptive:1e-3     an adaptive solver (adaptive | bosh3 | dopri5) at each rtol
   8,12              the run's own solver at each N
+  rk4:steps=8       a value may also be written as the eval figures' names write it
 The run's own solver and N are always evaluated; each other setting's gap to them is printed
 (as the trainer logs it). --log appends the row to MODEL_DIR/metrics.jsonl."""
 
 
 def parse_solves(text: str) -> list:
-    """``--solves`` → ``[Solve, ...]`` in the order given (``SOLVES_HELP``); a bad group is
-    a usage error naming it."""
-    from ode_lm.models import solvers as solvers_lib
-    from ode_lm.training.metric_names import Solve
+    """``--solves`` → ``[Solve, ...]`` in the order given (``SOLVES_HELP``,
+    ``models.solve.parse_solves``); a bad group is a usage error naming it."""
+    from ode_lm.models.solve import parse_solves as parse
 
-    def bad(group: str, why: str) -> cli.UsageError:
-        return cli.UsageError(f"--solves={text!r}: {group!r}: {why}")
-
-    solves = []
-    for group in text.split():
-        solver, _, values = group.rpartition(":")
-        adaptive = solvers_lib.is_adaptive(solver)
-        if solver and solver not in solvers_lib.SOLVERS and not adaptive:
-            allowed = solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS
-            raise bad(group, f"unknown solver {solver!r}; expected one of {allowed}")
-        items = values.split(",")
-        for item in items:
-            try:
-                number = float(item) if adaptive else int(item)
-            except ValueError:
-                what = "a tolerance" if adaptive else "a whole number of steps"
-                raise bad(group, f"{item!r} is not {what}") from None
-            if not number > 0:
-                raise bad(group, f"{item} must be > 0")
-            solves.append(Solve(solver, rtol=number) if adaptive
-                          else Solve(solver or None, number))
-    if not solves:
-        raise cli.UsageError(f"--solves={text!r}: expected e.g. \"euler:4,6,8 rk4:8 "
-                             "adaptive:1e-3\"")
-    return solves
+    try:
+        return parse(text, "--solves")
+    except ValueError as e:
+        raise cli.UsageError(str(e)) from None
 
 
 def parse_args(argv: Sequence[str], prog: str = "ode-lm-eval") -> argparse.Namespace:

@@ -74,10 +74,11 @@ def zero_shot_perplexity(model, data_config, num_steps: int) -> float:
     from flax import nnx
 
     from ode_lm import data as data_lib
+    from ode_lm.models.solve import Solve
 
     @nnx.jit
     def sums(m, b):
-        logits = m(b["inputs"], b["positions"], b["segment_ids"], num_steps=num_steps)
+        logits = m(b["inputs"], b["positions"], b["segment_ids"], solve=Solve(None, num_steps))
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
         return (ce * b["loss_mask"]).sum(), b["loss_mask"].sum()
 

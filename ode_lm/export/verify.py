@@ -21,7 +21,9 @@ def fixed_batch(vocab_size: int, max_len: int, batch: int = 2, length: int = 16)
 def reference_logits(model: nnx.Module, tokens: np.ndarray, num_steps: int | None) -> np.ndarray:
     import jax.numpy as jnp
 
-    return np.asarray(model(jnp.asarray(tokens, jnp.int32), num_steps=num_steps))
+    from ode_lm.models.solve import Solve
+
+    return np.asarray(model(jnp.asarray(tokens, jnp.int32), solve=Solve(None, num_steps)))
 
 
 def require_hf() -> None:

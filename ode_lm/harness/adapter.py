@@ -42,18 +42,18 @@ from lm_eval.models.utils import (
 )
 
 from ode_lm import generation
+from ode_lm.models.solve import Solve
 from ode_lm.training.metrics import Progress
 
 LoglikelihoodRequest = tuple[Any, list[int], list[int]]  # (cache key, context, continuation)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "solver", "rtol", "atol"))
-def _score(graphdef, state, tokens, targets, segment_ids, *, num_steps, solver, rtol, atol):
+@functools.partial(jax.jit, static_argnames=("graphdef", "solve"))
+def _score(graphdef, state, tokens, targets, segment_ids, *, solve):
     """(log p(target) [B, T], target == argmax [B, T]) for right-padded rows."""
     model = nnx.merge(graphdef, state)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    logits = model(tokens, positions, segment_ids, num_steps=num_steps, solver=solver,
-                   rtol=rtol, atol=atol).astype(jnp.float32)
+    logits = model(tokens, positions, segment_ids, solve=solve).astype(jnp.float32)
     logp = jax.nn.log_softmax(logits, axis=-1)
     target_logp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return target_logp, jnp.argmax(logits, axis=-1) == targets
@@ -156,8 +156,8 @@ class OdeLM(TemplateLM):
             tokens[r, :n], targets[r, :n], segments[r, :n] = w[:-1], w[1:], 1
         logp, greedy = _score(self.graphdef, self.state, jnp.asarray(tokens),
                               jnp.asarray(targets), jnp.asarray(segments),
-                              num_steps=self.num_steps, solver=self.solver, rtol=self.rtol,
-                              atol=self.atol)
+                              solve=Solve.of(self.num_steps, self.solver, self.rtol,
+                                             self.atol))
         logp, greedy = np.asarray(logp), np.asarray(greedy)
         results = []
         for r, (w, cont_len) in enumerate(windows):

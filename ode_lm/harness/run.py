@@ -121,7 +121,8 @@ def evaluate_model(model: Any, tokenizer: Any, tasks: Sequence[str], *,
     another M; an adaptive solve has one entry per call, unsuffixed."""
     require_lm_eval()
     from ode_lm.harness.adapter import OdeLM
-    from ode_lm.training.metric_names import is_adaptive, metric_suffix
+    from ode_lm.models.solve import is_adaptive
+    from ode_lm.training.metric_names import metric_suffix
 
     tasks = parse_tasks(tasks)
     out: dict[str, float] = {}
@@ -159,7 +160,7 @@ class LmEval(EvalHook):
         if not train_config.lm_eval_tasks:
             return []
         return [cls(train_config.lm_eval_tasks, include_path=train_config.lm_eval_include_path,
-                    limit=train_config.lm_eval_limit, solver=train_config.eval_solver)]
+                    limit=train_config.lm_eval_limit)]
 
     def __call__(self, ctx: EvalContext) -> dict[str, float]:
         from flax import nnx

@@ -25,6 +25,7 @@ from ode_lm.models.common import (
 )
 from ode_lm.models.config import ModelConfig
 from ode_lm.models.embeddings import LanguageModel
+from ode_lm.models.solve import OWN, Solve
 from ode_lm.models.vector_field import (
     BlockWeights,
     dense_specs,
@@ -72,16 +73,17 @@ class _DiscreteLM(LanguageModel):
         positions: jax.Array,
         segment_ids: jax.Array,
         *,
+        solve: Solve = OWN,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
         return_stats: bool = False,
-        **solve_options,
     ):
-        """The L layers from x₀; the solve options (``num_steps``, ``solver``, ``max_steps``,
-        ``rtol``, ``atol``) are ignored (discrete depth); ``return_stats`` adds
-        ``{"nfe": num_layers}`` (one block evaluation per layer)."""
-        del solve_options
+        """The L layers from x₀ (discrete depth: only the model's own solve, ``Solve()``);
+        ``return_stats`` adds ``{"nfe": num_layers}`` (one block evaluation per layer)."""
         cfg = self.config
+        if solve.changes():
+            raise ValueError(f"{type(self).__name__}: cannot run the solve {solve.describe()}: "
+                             f"a discrete model runs its {cfg.num_layers} layers (no solve)")
         mask = attention_mask(segment_ids)
         residual = parallel_residual if cfg.architecture == "parallel" else sequential_residual
         use_dropout = not deterministic and cfg.dropout_rate > 0

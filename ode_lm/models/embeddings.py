@@ -22,6 +22,7 @@ from ode_lm.models.common import (
     normal_init,
 )
 from ode_lm.models.config import ModelConfig
+from ode_lm.models.solve import OWN, Solve
 
 
 class Embeddings(nnx.Module):
@@ -96,7 +97,8 @@ class LanguageModel(nnx.Module):
         raise NotImplementedError
 
     def body(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array, *,
-             return_stats: bool = False, **options):
+             solve: Solve, deterministic: bool = True, rngs: nnx.Rngs | None = None,
+             return_stats: bool = False):
         """x₀ → the state before the head (and ``{"nfe": ...}`` with ``return_stats``)."""
         raise NotImplementedError
 
@@ -106,16 +108,20 @@ class LanguageModel(nnx.Module):
         positions: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         *,
+        solve: Solve | None = None,
+        deterministic: bool = True,
+        rngs: nnx.Rngs | None = None,
         return_stats: bool = False,
-        **options,
     ):
         """Logits float32 [B, T, V]: embed → body → head (and the body's stats, e.g.
-        ``{"nfe": ...}``, with ``return_stats``). ``options`` go to the body: ``num_steps``,
-        ``solver``, ``deterministic``, ``rngs``, ``max_steps``, ``rtol``, ``atol`` (the
-        discrete models take the solve options and ignore them)."""
+        ``{"nfe": ...}``, with ``return_stats``). ``solve`` (``models.solve.Solve``; None:
+        the model's own) is how the body integrates; ``deterministic=False`` with ``rngs``
+        is a training forward (dropout, the random grid offset). A discrete model refuses a
+        solve it cannot run."""
         positions, segment_ids = default_inputs(tokens, positions, segment_ids)
         out = self.body(self.embeddings(tokens, positions), positions, segment_ids,
-                        return_stats=return_stats, **options)
+                        solve=OWN if solve is None else solve,
+                        deterministic=deterministic, rngs=rngs, return_stats=return_stats)
         return (self.logits(out[0]), out[1]) if return_stats else self.logits(out)
 
     def embed(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:

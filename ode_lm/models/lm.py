@@ -26,6 +26,7 @@ from ode_lm.models import solvers
 from ode_lm.models.common import default_inputs, remat_policy
 from ode_lm.models.config import ADAPTIVE_SOLVERS, ModelConfig
 from ode_lm.models.embeddings import LanguageModel
+from ode_lm.models.solve import OWN, Solve
 from ode_lm.models.vector_field import BlockWeights, TemporalBlock, VectorField
 
 Stats = dict[str, jax.Array]
@@ -75,6 +76,7 @@ class DiffEqFormer(LanguageModel):
         max_steps: int | None = None,
         rngs: nnx.Rngs | None = None,
         acceleration: bool = False,
+        grid_offset: bool | None = None,
     ) -> tuple[jax.Array, Stats]:
         """(x_N, {"nfe", "kinetic_energy"}) of N steps x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_i).
 
@@ -86,9 +88,12 @@ class DiffEqFormer(LanguageModel):
         no cross-device reduction) and averaged over the batch after the solve. With
         ``acceleration`` the stats also hold ∫ mean‖d²x/dt²‖² dt (Kelly et al. 2020) from
         the second differences of the solve's own steps, again at no extra evaluation.
+        ``grid_offset`` (None: ``ModelConfig.random_grid_offset``) draws the random grid
+        offset when ``rngs`` are given.
         """
         grid, solver = self._fixed_grid(num_steps, solver, max_steps)
-        f, step_inputs, offset = self._grid_field(positions, segment_ids, grid, solver, rngs)
+        f, step_inputs, offset = self._grid_field(positions, segment_ids, grid, solver, rngs,
+                                                  grid_offset)
 
         def f_and_energy(state, t, *inputs):
             dx = f(state[0], t, *inputs)
@@ -155,29 +160,32 @@ class DiffEqFormer(LanguageModel):
         positions: jax.Array,
         segment_ids: jax.Array,
         *,
-        num_steps: int | jax.Array | None = None,
-        solver: str | None = None,
+        solve: Solve = OWN,
         deterministic: bool = True,
         rngs: nnx.Rngs | None = None,
         return_stats: bool = False,
-        max_steps: int | None = None,
-        rtol: float | None = None,
-        atol: float | None = None,
-        acceleration: bool = False,
     ):
-        """``__call__``'s ODE solve from x₀: ``solve_adaptive`` for an adaptive solver (which
-        ignores the step options), else ``solve_fixed`` (which ignores rtol/atol), with the
-        training randomness when not ``deterministic``."""
-        solver = self.config.solver if solver is None else solver
-        solvers.check_solver(solver, adaptive_ok=True)
+        """``__call__``'s ODE solve from x₀: ``solve_adaptive`` for an adaptive solver, else
+        ``solve_fixed``, with the training randomness when not ``deterministic``. A setting
+        the solver has no use for (N of an adaptive solve, rtol of a fixed grid) is refused."""
+        solver = solve.solver or self.config.solver
         if solvers.is_adaptive(solver):
+            unused = {"num_steps", "max_steps", "grid_offset", "integrate"} & solve.changes().keys()
+            if unused:
+                raise ValueError(f"DiffEqFormer: the adaptive solve {solve.describe()} has no "
+                                 f"fixed grid for {', '.join(sorted(unused))}")
             x, stats = self.solve_adaptive(x0, positions, segment_ids, solver=solver,
-                                           rtol=rtol, atol=atol)
+                                           rtol=solve.rtol, atol=solve.atol)
         else:
-            x, stats = self.solve_fixed(x0, positions, segment_ids, num_steps=num_steps,
-                                        solver=solver, max_steps=max_steps,
+            unused = {"rtol", "atol"} & solve.changes().keys()
+            if unused:
+                raise ValueError(f"DiffEqFormer: the fixed-grid solve {solve.describe()} has "
+                                 f"no step-size control for {', '.join(sorted(unused))}")
+            x, stats = self.solve_fixed(x0, positions, segment_ids, num_steps=solve.num_steps,
+                                        solver=solver, max_steps=solve.max_steps,
                                         rngs=self._training_rngs(deterministic, rngs),
-                                        acceleration=acceleration)
+                                        acceleration="acceleration" in solve.integrate,
+                                        grid_offset=solve.grid_offset)
         return (x, stats) if return_stats else x
 
     # ---- the fixed grid -----------------------------------------------------------------------
@@ -204,17 +212,20 @@ class DiffEqFormer(LanguageModel):
 
     def _grid_field(self, positions: jax.Array, segment_ids: jax.Array,
                     grid: solvers.FixedGrid, solver: str, rngs: nnx.Rngs | None,
+                    grid_offset: bool | None = None,
                     ) -> tuple[Callable, dict | None, jax.Array | float]:
         """(f(x, t[, step_input, stage]), step inputs, time offset): the vector field as the
         grid scan calls it, fed per step with the precomputed W(t_k) and dropout keys.
 
         Training randomness (``rngs`` given): δ, the random grid offset (one draw per solve,
-        see ``_grid_offset``), added to every evaluation time, and per-step dropout keys.
+        see ``_grid_offset``; ``grid_offset`` None: the config's), added to every evaluation
+        time, and per-step dropout keys.
         """
         cfg = self.config
         field = self.vector_field_of(positions, segment_ids)
         needs_dropout = rngs is not None and cfg.dropout_rate > 0
-        needs_offset = rngs is not None and cfg.random_grid_offset
+        offset_on = cfg.random_grid_offset if grid_offset is None else grid_offset
+        needs_offset = rngs is not None and offset_on
         offset = self._grid_offset(grid, solver, rngs) if needs_offset else 0.0
         step_inputs = {}
         if precompute_weights(cfg, grid.length, solver):
@@ -234,10 +245,10 @@ class DiffEqFormer(LanguageModel):
 
     @staticmethod
     def _grid_offset(grid: solvers.FixedGrid, solver: str, rngs: nnx.Rngs) -> jax.Array:
-        """The random grid offset: u ~ U[0, dt), one draw per solve. Euler evaluates at
-        t_{k+1} − u ∈ [t_k, t_{k+1}); RK stages shift by u − dt/2."""
+        """The random grid offset from u ~ U[0, dt), one draw per solve, by the solver's
+        tableau (``Tableau.grid_offset``)."""
         u = jax.random.uniform(rngs.dropout(), (), minval=0.0, maxval=grid.dt)
-        return -u if solver == "euler" else u - grid.dt / 2
+        return solvers.tableau(solver).grid_offset(u, grid.dt)
 
 
 def _fixed_nfe(grid: solvers.FixedGrid, solver: str) -> jax.Array:

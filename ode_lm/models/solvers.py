@@ -42,6 +42,13 @@ class Tableau:
     def stages(self) -> int:
         return len(self.c)
 
+    def grid_offset(self, u: Any, dt: Any) -> Any:
+        """The random grid offset for a draw u ∈ [0, dt), added to every stage time: a
+        tableau that evaluates only at the step's end (c = (1,): Euler, as the paper) shifts
+        back, t_{k+1} − u ∈ [t_k, t_{k+1}); one with stages inside the step is centred on
+        its grid, u − dt/2."""
+        return -u if all(c == 1.0 for c in self.c) else u - dt / 2
+
 
 TABLEAUS: dict[str, Tableau] = {
     "euler": Tableau(c=(1.0,), a=((),), b=(1.0,), order=1),

@@ -14,15 +14,15 @@ from ode_lm.config_types import (
     check_types,
     require,
     require_at_least,
-    require_one_of,
     require_positive,
 )
 from ode_lm.errors import SettingError
-from ode_lm.models import solvers as solvers_lib
 from ode_lm.models.config import ModelConfig
-from ode_lm.training.evaluation import parse_solve
+from ode_lm.models.solve import Solve
 
-EVAL_SOLVERS = solvers_lib.SOLVERS + solvers_lib.ADAPTIVE_SOLVERS  # TrainConfig.eval_solver
+# fields a TrainConfig no longer has: both are eval_solves now (a binding stops with one line)
+REMOVED = {"eval_num_steps": "TrainConfig.eval_solves = ('steps=4', 'steps=12')",
+           "eval_solver": "TrainConfig.eval_solves = ('rk4:steps=12', 'adaptive:rtol=1e-3')"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +34,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate only after the last step
-    eval_num_steps: tuple[int, ...] = ()  # depth sweep: also eval at these ODE step counts
-    # solver for the eval and the depth sweep (None: the model's); an adaptive one solves
-    # once, at ModelConfig.rtol
-    eval_solver: str | None = None
-    # more settings at every eval, in the words their names write after '@' (e.g. 'rk4:steps=8',
-    # 'adaptive:rtol=1e-3'; 'steps=8' is the model's own solver): training.evaluation.Solve
+    # the solves of every eval beside the model's own, in the words their names write after
+    # '@' (models.solve.Solve: 'steps=8' the model's solver at 8 steps, 'rk4:steps=8',
+    # 'adaptive:rtol=1e-3'): a depth sweep is ('steps=2', 'steps=4', ...)
     eval_solves: tuple[str, ...] = ()
     max_bad_steps: int = 10  # abort after this many consecutive NaN/Inf steps
     # None: the CPU's peak, the best probe cached per machine (hardware.cpu_peak_flops)
@@ -49,20 +46,29 @@ class TrainConfig:
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_include_path: str | None = None  # a directory of local task YAMLs
     lm_eval_limit: int | None = None  # documents per task (None: all)
+    # removed (REMOVED): refused with a line naming eval_solves
+    eval_num_steps: Any = None
+    eval_solver: Any = None
+
+    @property
+    def solves(self) -> tuple[Solve, ...]:
+        """``eval_solves`` read (``Solve.parse``), in order."""
+        return tuple(Solve.parse(s, "TrainConfig.eval_solves") for s in self.eval_solves)
 
     def __post_init__(self):
+        for field, instead in REMOVED.items():
+            if getattr(self, field) is not None:
+                raise SettingError(f"TrainConfig.{field}={getattr(self, field)!r}: no longer a "
+                                   f"setting; every eval solve is in TrainConfig.eval_solves "
+                                   f"(e.g. {instead})")
         check_types(self)
         require(self, "model_dir", bool(self.model_dir.strip()), "must not be empty")
         require_at_least(self, 1, "num_train_steps", "log_every", "max_bad_steps",
                          "lm_eval_limit")
         require_at_least(self, 0, "seed", "eval_every")
-        require(self, "eval_num_steps", all(n >= 1 for n in self.eval_num_steps),
-                "every N must be >= 1")
-        if self.eval_solver is not None:
-            require_one_of(self, "eval_solver", EVAL_SOLVERS)
         for spec in self.eval_solves:
             try:
-                parse_solve(spec, "TrainConfig.eval_solves")
+                Solve.parse(spec, "TrainConfig.eval_solves")
             except ValueError as e:  # names the entry: TrainConfig.eval_solves='rk4:step=8'
                 raise SettingError(str(e)) from None
         require_positive(self, "cpu_peak_flops")

@@ -19,9 +19,10 @@ from typing import Any
 
 import jax
 
+from ode_lm.models.solve import OWN, Solve, is_adaptive
 from ode_lm.training import metric_names as names
 from ode_lm.training import step as step_lib
-from ode_lm.training.metric_names import GAP_PREFIX, Solve, metric_suffix, parse_solve
+from ode_lm.training.metric_names import GAP_PREFIX
 from ode_lm.training.state import StateSpec
 
 LOSS, PERPLEXITY, NFE, TOKENS = names.LOSS, names.PERPLEXITY, names.NFE, names.TOKENS
@@ -30,7 +31,7 @@ LOSS, PERPLEXITY, NFE, TOKENS = names.LOSS, names.PERPLEXITY, names.NFE, names.T
 def sweep_solves(num_steps: Sequence[int | None] = (None,), solver: str | None = None,
                  rtol: float | None = None) -> list[Solve]:
     """A depth sweep as settings: ``solver`` at each N (an adaptive solver: once, at rtol)."""
-    if names.is_adaptive(solver):
+    if is_adaptive(solver):
         return [Solve(solver, rtol=rtol)]
     return [Solve(solver, n) for n in num_steps]
 
@@ -52,32 +53,22 @@ class Evaluator:
         self.model_rtol = model_rtol
         self._steps: dict[tuple, Callable] = {}
 
-    def result(self, params: Any, num_steps: int | None = None, solver: str | None = None, *,
-               rtol: float | None = None, atol: float | None = None) -> step_lib.EvalResult:
-        """Token-weighted loss, token count and mean NFE at one depth / solver."""
-        key = (num_steps, solver, rtol, atol)
-        if key not in self._steps:
-            self._steps[key] = step_lib.make_eval_step(self.spec, num_steps, solver,
-                                                       rtol=rtol, atol=atol)
-        label = names.EVAL + metric_suffix(num_steps, self.model_num_steps, solver,
-                                           rtol if rtol is not None else self.model_rtol,
-                                           model_solver=self.model_solver)
+    def result(self, params: Any, solve: Solve = OWN) -> step_lib.EvalResult:
+        """Token-weighted loss, token count and mean NFE at one solve."""
+        if solve not in self._steps:
+            self._steps[solve] = step_lib.make_eval_step(self.spec, solve)
+        label = names.EVAL + self.suffix(solve)
         with jax.set_mesh(self.spec.mesh):
-            return step_lib.run_eval(self._steps[key], params, self.batches(), what=self.what,
-                                     total=self.num_batches, label=label)
+            return step_lib.run_eval(self._steps[solve], params, self.batches(),
+                                     what=self.what, total=self.num_batches, label=label)
 
     def resolve(self, solve: Solve) -> Solve:
         """``solve`` with the run's solver, N or rtol where it leaves them ``None``."""
-        solver = solve.solver or self.model_solver
-        if names.is_adaptive(solver):
-            return Solve(solver, rtol=self.model_rtol if solve.rtol is None else solve.rtol)
-        return Solve(solver, self.model_num_steps if solve.num_steps is None else solve.num_steps)
+        return solve.resolved(self.model_solver, self.model_num_steps, self.model_rtol)
 
     def suffix(self, solve: Solve) -> str:
         """The name suffix of ``solve`` (``metric_suffix`` with this run's own settings)."""
-        r = self.resolve(solve)
-        return metric_suffix(r.num_steps, self.model_num_steps, r.solver, r.rtol,
-                             model_solver=self.model_solver)
+        return self.resolve(solve).relative(self.model_solver, self.model_num_steps).suffix
 
     def settings(self, solves: Sequence[Solve]) -> dict[str, Solve]:
         """suffix → resolved setting, in order, one entry per name (what ``evaluate`` runs)."""
@@ -94,9 +85,9 @@ class Evaluator:
             label = self.suffix(solve)
             if names.name(LOSS, label) in results:
                 continue
-            res = self.result(params, solve.num_steps, solve.solver,
-                              rtol=solve.rtol if solve.adaptive else None,
-                              atol=atol if solve.adaptive else None)
+            run = (Solve(solve.solver, rtol=solve.rtol, atol=atol) if solve.adaptive
+                   else Solve(solve.solver, solve.num_steps))
+            res = self.result(params, run)
             results[names.name(LOSS, label)] = res.loss
             results[names.name(PERPLEXITY, label)] = res.perplexity
             results[names.name(NFE, label)] = res.nfe
@@ -170,11 +161,8 @@ class LossEval(EvalHook):
 
     @classmethod
     def from_config(cls, train_config: Any) -> LossEval:
-        """``TrainConfig.eval_num_steps`` with ``eval_solver``, then ``eval_solves``."""
-        return cls([*sweep_solves((None, *train_config.eval_num_steps),
-                                  train_config.eval_solver),
-                    *(parse_solve(s, "TrainConfig.eval_solves")
-                      for s in train_config.eval_solves)])
+        """The model's own solve, then ``TrainConfig.eval_solves``."""
+        return cls([OWN, *train_config.solves])
 
     def __call__(self, ctx: EvalContext) -> dict[str, float]:
         return ctx.evaluator.evaluate(ctx.params, self.solves)

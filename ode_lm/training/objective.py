@@ -32,25 +32,7 @@ from ode_lm.config_types import (
 )
 from ode_lm.errors import SettingError
 from ode_lm.models.config import SOLVERS
-
-
-@dataclasses.dataclass(frozen=True)
-class MainSolve:
-    """How this step's main solve (the one trained on the data) runs: N (an int, a traced
-    int32 with its static bound ``max_steps``, or None for the model's own) and the solver."""
-
-    num_steps: Any = None
-    solver: str | None = None
-    max_steps: int | None = None
-    acceleration: bool = False  # the solve also integrates ∫ mean‖d²x/dt²‖² dt
-
-    def options(self) -> dict[str, Any]:
-        options: dict[str, Any] = {}
-        if self.acceleration:
-            options["acceleration"] = True
-        if self.max_steps is not None:
-            options["max_steps"] = self.max_steps
-        return options
+from ode_lm.models.solve import Solve
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +51,14 @@ class TermInputs:
     microbatches: int
     logits: jax.Array
     stats: dict
-    solve_batch: Any  # (batch, num_steps, solver, max_steps, key) -> float32 logits
+    solve_batch: Any  # (batch, solve, key) -> float32 logits
 
     def mask(self) -> jax.Array:
         return self.batch["loss_mask"].astype(jnp.float32)
 
-    def forward(self, num_steps: Any, solver: str | None, max_steps: int | None,
-                key: jax.Array) -> jax.Array:
+    def forward(self, solve: Solve, key: jax.Array) -> jax.Array:
         """float32 logits of a further solve of this microbatch (its grid offset from key)."""
-        return self.solve_batch(self.batch, num_steps, solver, max_steps, key)
+        return self.solve_batch(self.batch, solve, key)
 
     def every_kth_row(self, k: int, owner: str) -> TermInputs:
         """These inputs on rows 0, k, 2k, … of the microbatch, with the token count scaled
@@ -116,8 +97,9 @@ class Term:
         """This step's host-side draw (a pure function of seed and step)."""
         return None
 
-    def main_solve(self, solve: MainSolve, choice: Choice, key: jax.Array) -> MainSolve:
-        """The main solve as this term changes it (``key``: the step's key)."""
+    def main_solve(self, solve: Solve, choice: Choice, key: jax.Array) -> Solve:
+        """The main solve (the one trained on the data; ``models.solve.Solve``) as this term
+        changes it (``key``: the step's key)."""
         return solve
 
     def loss(self, inputs: TermInputs, choice: Choice) -> tuple[jax.Array, dict]:
@@ -250,13 +232,9 @@ class Acceleration(Term):
         require_at_least(self, 0.0, "weight")
 
     def main_solve(self, solve, choice, key):
-        return dataclasses.replace(solve, acceleration=True)
+        return solve.replace(integrate=(*solve.integrate, "acceleration"))
 
-    def loss(self, inputs, choice):
-        if "acceleration" not in inputs.stats:  # at trace time: a model without an ODE solve
-            raise SettingError("Acceleration: the model's forward has no fixed-grid ODE solve "
-                               "to take second differences of (a discrete baseline?): remove "
-                               "the term from StepConfig.terms")
+    def loss(self, inputs, choice):  # a discrete model refuses the solve (no second differences)
         return self.weight * inputs.stats["acceleration"] / inputs.microbatches, {}
 
 
@@ -294,7 +272,8 @@ class Distillation(Term):
         # the coarse N: from the step's stream, as the main N (one per step)
         coarse_n = draw(jax.random.fold_in(inputs.step_key, DISTILL_STREAM), self.num_steps)
         rows = inputs.every_kth_row(self.row_stride, "Distillation.row_stride")
-        kl = _kl_from_main(rows, rows.forward(coarse_n, "euler", max(self.num_steps), key))
+        kl = _kl_from_main(rows, rows.forward(
+            Solve("euler", coarse_n, max_steps=max(self.num_steps)), key))
         return self.weight * kl, {"distill_loss": kl * inputs.microbatches,
                                   "distill_num_steps": coarse_n.astype(jnp.float32)}
 
@@ -389,7 +368,7 @@ class _SecondSolve(Term):
     def _second_solve(self, inputs: TermInputs, stream: int) -> jax.Array:
         """The second solve's logits on ``inputs`` (those of ``_rows``)."""
         key = jax.random.fold_in(inputs.key, stream)
-        return inputs.forward(self.num_steps, self.solver, None, key)
+        return inputs.forward(Solve(self.solver, self.num_steps), key)
 
 
 @dataclasses.dataclass(frozen=True)

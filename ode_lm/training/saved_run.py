@@ -17,6 +17,7 @@ from etils import epath
 from ode_lm import partitioning
 from ode_lm.data.config import DataConfig
 from ode_lm.models.config import ModelConfig
+from ode_lm.models.solve import OWN, Solve
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training.run_dir import DATA_CONFIG, RunDir
 
@@ -70,11 +71,9 @@ class LoadedRun:
                          what=f"split {split!r} of {data.data_dir}",
                          num_batches=check_eval_split(data, manifest, split))
 
-    def evaluate(self, num_steps: int | None = None, solver: str | None = None, *,
-                 rtol: float | None = None, atol: float | None = None,
-                 split: str = "validation"):
-        """``step.EvalResult`` (loss, tokens, mean NFE) over the whole split."""
-        return self.evaluator(split).result(self.params, num_steps, solver, rtol=rtol, atol=atol)
+    def evaluate(self, solve: Solve = OWN, *, split: str = "validation"):
+        """``step.EvalResult`` (loss, tokens, mean NFE) over the whole split at ``solve``."""
+        return self.evaluator(split).result(self.params, solve)
 
 
 def load_model(model_dir: str, step: int | None = None, *, mesh=None, rules=None,

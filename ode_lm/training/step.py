@@ -25,6 +25,7 @@ from ode_lm.config_types import check_types, require, require_at_least, require_
 from ode_lm.data.packing import BATCH_KEYS
 from ode_lm.models import solvers as solvers_lib
 from ode_lm.models.config import SOLVERS
+from ode_lm.models.solve import OWN, Solve
 from ode_lm.partitioning import batch_sharding, logical_to_mesh
 from ode_lm.training import objective as objective_lib
 from ode_lm.training.state import StateSpec
@@ -66,29 +67,23 @@ def token_loss_sums(
     params: Any,
     batch: Batch,
     *,
-    num_steps: int | None = None,
-    solver: str | None = None,
+    solve: Solve = OWN,
     dropout_key: jax.Array | None = None,
-    **solve_options,
 ) -> tuple[jax.Array, jax.Array]:
-    """(sum of masked next-token cross-entropy, number of counted tokens) for one batch.
-
-    ``solve_options`` go to the model's forward (``max_steps`` for a traced ``num_steps``,
-    ``rtol``/``atol`` for an adaptive solver)."""
-    return _token_loss(spec, params, batch, num_steps=num_steps, solver=solver,
-                       dropout_key=dropout_key, **solve_options)[:2]
+    """(sum of masked next-token cross-entropy, number of counted tokens) for one batch,
+    the model's forward at ``solve`` (``models.solve.Solve``)."""
+    return _token_loss(spec, params, batch, solve=solve, dropout_key=dropout_key)[:2]
 
 
-def _token_loss(spec, params, batch, *, num_steps, solver, dropout_key, **solve_options):
+def _token_loss(spec, params, batch, *, solve, dropout_key):
     """(loss sum, token count, solver stats) — ``token_loss_sums`` plus the NFE."""
-    logits, stats = _logits(spec, params, batch, num_steps=num_steps, solver=solver,
-                            dropout_key=dropout_key, **solve_options)
+    logits, stats = _logits(spec, params, batch, solve=solve, dropout_key=dropout_key)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
     return jnp.sum(ce * mask), jnp.sum(mask), {**stats, "logits": logits}
 
 
-def _logits(spec, params, batch, *, num_steps, solver, dropout_key, **solve_options):
+def _logits(spec, params, batch, *, solve, dropout_key):
     """float32 logits [B, T, V] and the solver stats of one forward."""
     model = spec.model(params)
     rngs = nnx.Rngs(dropout=dropout_key) if dropout_key is not None else None
@@ -100,12 +95,10 @@ def _logits(spec, params, batch, *, num_steps, solver, dropout_key, **solve_opti
             batch["inputs"],
             batch.get("positions"),
             batch.get("segment_ids"),
-            num_steps=num_steps,
-            solver=solver,
+            solve=solve,
             deterministic=dropout_key is None,
             rngs=rngs,
             return_stats=True,
-            **solve_options,
         )
     logits, stats = logits
     return logits.astype(jnp.float32), stats
@@ -138,7 +131,7 @@ def make_objective_grads(spec: StateSpec, config: StepConfig = StepConfig(),
 
     def objective_grads(params, batch: Batch, step: jax.Array, key: jax.Array):
         num_tokens = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
-        solve = objective_lib.MainSolve(config.num_steps, config.solver)
+        solve = Solve(config.solver, config.num_steps)
         for term, choice in chosen:  # the step's main solve, as the terms change it
             solve = term.main_solve(solve, choice, key)
 
@@ -227,20 +220,18 @@ def make_train_step(
     return train_step
 
 
-def _forward(spec, params, stochastic, batch, num_steps, solver, max_steps, key):
+def _forward(spec, params, stochastic, batch, solve, key):
     """float32 logits of a further solve of ``params`` (a term's), its grid offset from
     ``key`` when the forward is stochastic."""
-    options = {"max_steps": max_steps} if max_steps is not None else {}
-    logits, _ = _logits(spec, params, batch, num_steps=num_steps, solver=solver,
-                        dropout_key=key if stochastic else None, **options)
+    logits, _ = _logits(spec, params, batch, solve=solve,
+                        dropout_key=key if stochastic else None)
     return logits
 
 
 def _solve_loss(spec, params, mb, solve, mb_key, stochastic):
     """(loss sum, stats with NFE and kinetic energy, logits) of the step's main solve."""
-    total, _, stats = _token_loss(spec, params, mb, num_steps=solve.num_steps,
-                                  solver=solve.solver,
-                                  dropout_key=mb_key if stochastic else None, **solve.options())
+    total, _, stats = _token_loss(spec, params, mb, solve=solve,
+                                  dropout_key=mb_key if stochastic else None)
     return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32),
                    "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(())),
                    **({"acceleration": stats["acceleration"]} if "acceleration" in stats else {})
@@ -335,17 +326,15 @@ def abstract_batch(spec: StateSpec, batch_size: int, seq_len: int, batch_keys=BA
     }
 
 
-def make_eval_step(spec: StateSpec, num_steps: int | None = None, solver: str | None = None,
-                   *, rtol: float | None = None, atol: float | None = None):
-    """params, batch -> (loss sum, token count, NFE, capped): exact token-weighted sums, no
-    averaging; NFE = vector-field evaluations of the batch's solve (adaptive: as chosen by
-    the step-size controller at ``rtol``/``atol``; fixed grid: N·stages); capped = 1 when an
-    adaptive solve stopped at its step cap short of t1 (fixed grid: 0)."""
-    options = {k: v for k, v in (("rtol", rtol), ("atol", atol)) if v is not None}
+def make_eval_step(spec: StateSpec, solve: Solve = OWN):
+    """params, batch -> (loss sum, token count, NFE, capped) at ``solve``: exact
+    token-weighted sums, no averaging; NFE = vector-field evaluations of the batch's solve
+    (adaptive: as chosen by the step-size controller at its rtol/atol; fixed grid:
+    N·stages); capped = 1 when an adaptive solve stopped at its step cap short of t1 (fixed
+    grid: 0)."""
 
     def eval_step(params, batch):
-        total, count, stats = _token_loss(spec, params, batch, num_steps=num_steps,
-                                          solver=solver, dropout_key=None, **options)
+        total, count, stats = _token_loss(spec, params, batch, solve=solve, dropout_key=None)
         capped = jnp.asarray(stats.get("capped", False), jnp.float32)
         return total, count, jnp.asarray(stats["nfe"], jnp.float32), capped
 

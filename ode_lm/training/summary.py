@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ode_lm.models.solve import Solve
 from ode_lm.training import metric_names as names
-from ode_lm.training.metric_names import GAP_PREFIX, LOSS, NFE, PERPLEXITY, TOKENS, Solve
+from ode_lm.training.metric_names import GAP_PREFIX, LOSS, NFE, PERPLEXITY, TOKENS
 
 
 def depth_table(results: Mapping[str, float], settings: Mapping[str, Solve]

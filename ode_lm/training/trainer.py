@@ -25,6 +25,7 @@ from ode_lm import partitioning
 from ode_lm.data.manifest import has_manifest
 from ode_lm.models.accounting import flops_per_token, param_count
 from ode_lm.models.config import ModelConfig
+from ode_lm.models.solve import Solve
 from ode_lm.training import checkpoint as ckpt_lib
 from ode_lm.training import evaluation as evaluation_lib
 from ode_lm.training import metric_names, run_lock
@@ -45,7 +46,6 @@ from ode_lm.training.inputs import (
     default_train_data,
     prepare_data_once,
 )
-from ode_lm.training.metric_names import Solve
 from ode_lm.training.optim import OptimizerConfig, make_optimizer
 from ode_lm.training.preemption import PreemptionWatcher, StopNow
 from ode_lm.training.run_dir import ConfigRecord, FinetuneRecord, RunDir

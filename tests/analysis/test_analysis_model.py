@@ -11,6 +11,7 @@ from numerics import F32_EPS, f32_atol
 
 from ode_lm.analysis import model_access
 from ode_lm.analysis.trajectory import states_at, trajectory
+from ode_lm.models.solve import Solve
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def test_trajectory_ends_at_the_forward_pass(model):
     assert traj.states.shape == (6, len(TOKENS), 16)
     # float32 grid times k·dt: two roundings, each at most half an ulp
     np.testing.assert_allclose(traj.times, np.linspace(0, 1, 6), rtol=0, atol=F32_EPS)
-    logits = nnx.jit(lambda m, x: m(x, num_steps=5, solver="midpoint"))(
+    logits = nnx.jit(lambda m, x: m(x, solve=Solve("midpoint", 5)))(
         model, jnp.asarray(TOKENS)[None])
     # the same float32 ops in two programs: XLA may reassociate the head's d_model-term dot
     # (the γ_n bound: d_model ulps of the largest logit)

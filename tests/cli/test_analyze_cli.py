@@ -147,8 +147,8 @@ def test_cli_end_to_end_on_a_demo_checkpoint(tmp_path, capsys):
     run = tmp_path / "demo"
     assert train_main([f"--gin_file={REPO / 'configs' / 'runs' / 'demo.gin'}",
                        "--gin.TRAIN_STEPS=2", f"--gin.MODEL_DIR='{run}'",
-                       "--gin.TrainConfig.eval_every=0", "--gin.TrainConfig.eval_num_steps=(2,)",
-                       "--gin.TrainConfig.eval_solves=()",
+                       "--gin.TrainConfig.eval_every=0",
+                       "--gin.TrainConfig.eval_solves=('steps=2',)",
                        "--gin.DataConfig.eval_max_batches=1",
                        "--gin.CheckpointConfig.save_every=1",
                        "--gin.MeshConfig.ici_parallelism=(-1, 1, 1)"]) == 0

@@ -68,7 +68,7 @@ def test_a_demo_runs_summary_becomes_the_readme_table(tool, copy, tmp_path, caps
     """``ode-lm train``'s summary.json, taken with ``--from-demo``, gives the README the very
     table the run printed, and its provenance line."""
     from ode_lm.commands import train
-    from ode_lm.training.metric_names import Solve
+    from ode_lm.models.solve import Solve
     from ode_lm.training.trainer import TrainResult
 
     run = tmp_path / "run"

@@ -36,8 +36,8 @@ def tiny_trained(tmp_path_factory):
     cfg = tiny_config(vocab_size=384, time_scale=4.0, time_max_period=100.0,
                       random_grid_offset=True)
     model_dir, printed = str(root / "run"), []
-    train = TrainConfig(model_dir=model_dir, num_train_steps=3, eval_every=2, eval_num_steps=(2,),
-                        eval_solves=("rk4:steps=3", "adaptive:rtol=1e-2"))
+    train = TrainConfig(model_dir=model_dir, num_train_steps=3, eval_every=2,
+                        eval_solves=("steps=2", "rk4:steps=3", "adaptive:rtol=1e-2"))
     result = Trainer(
         model_config=cfg, data_config=data, train_config=train,
         step_config=step_lib.StepConfig(terms=(RandomSteps(choices=(2, 3)),

@@ -44,7 +44,7 @@ def test_help_text_is_plain():
 
 def test_solves_parse_in_order():
     from ode_lm.commands.eval import parse_solves
-    from ode_lm.training.metric_names import Solve
+    from ode_lm.models.solve import Solve
 
     assert parse_solves("euler:4,6 rk4:8 adaptive:1e-3 12") == [
         Solve("euler", 4), Solve("euler", 6), Solve("rk4", 8), Solve("adaptive", rtol=1e-3),
@@ -52,10 +52,10 @@ def test_solves_parse_in_order():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("rk5:4", "'rk5:4': unknown solver 'rk5'"),
+    ("rk5:4", "'rk5:4': solver 'rk5' is not one of"),
     ("euler:4,x", "'x' is not a whole number of steps"),
     ("adaptive:tight", "'tight' is not a tolerance"),
-    ("euler:0", "0 must be > 0"),
+    ("euler:0", "steps must be > 0"),
     ("", "expected e.g."),
 ])
 def test_bad_solves_are_usage_errors(text, message):

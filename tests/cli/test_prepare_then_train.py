@@ -20,7 +20,7 @@ from ode_lm.commands import prepare as prepare_cmd
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--gin.TRAIN_STEPS=2", "--gin.TrainConfig.eval_num_steps=()",
+TINY = ["--gin.TRAIN_STEPS=2", "--gin.TrainConfig.eval_solves=()",
         "--gin.TrainConfig.eval_solves=()", "--gin.DataConfig.eval_max_batches=1",
         "--gin.MeshConfig.ici_parallelism=(-1, 1, 1)"]
 

@@ -52,7 +52,12 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
     },
     TrainConfig: {
         "model_dir": "''", "num_train_steps": "0", "seed": "-1", "log_every": "0",
-        "eval_every": "-1", "eval_num_steps": "(2, 0)", "eval_solver": "'rk5'",
+        "eval_every": "-1",
+        # removed: the line names the field that took them over
+        "eval_num_steps": ("(3, 12)", "TrainConfig.eval_num_steps=(3, 12): no longer a setting; "
+                           "every eval solve is in TrainConfig.eval_solves"),
+        "eval_solver": ("'rk4'", "TrainConfig.eval_solver='rk4': no longer a setting; every "
+                        "eval solve is in TrainConfig.eval_solves"),
         "eval_solves": ("('rk4:steps=8', 'rk4:step=8')", "TrainConfig.eval_solves='rk4:step=8'"),
         "max_bad_steps": "0", "cpu_peak_flops": "0.0", "lm_eval_tasks": "('',)",
         "lm_eval_include_path": "'{WORK}/no_tasks'", "lm_eval_limit": "0",
@@ -141,20 +146,21 @@ def test_a_bad_setting_stops_the_train_cli_with_one_line(cls, field, work, monke
     assert err.startswith("ode-lm-train: error: ") and words in err, err
 
 
-def test_an_adaptive_eval_solver_is_solved_at_the_models_rtol(tmp_path):
-    """TrainConfig.eval_solver='adaptive' once stopped Trainer.__init__ with a TypeError (its
-    rtol reached the eval's names as None): the trainer's Evaluator has the model's rtol."""
+def test_an_adaptive_eval_solve_without_rtol_is_solved_at_the_models_rtol(tmp_path):
+    """An adaptive eval solve without its rtol once stopped Trainer.__init__ with a TypeError
+    (its rtol reached the eval's names as None): the trainer's Evaluator has the model's."""
     import jax
     from model_helpers import tiny_config
 
-    from ode_lm.training.evaluation import Solve
+    from ode_lm.models.solve import Solve
+    from ode_lm.training.evaluation import LossEval
     from ode_lm.training.trainer import Trainer
 
     trainer = Trainer(
         model_config=tiny_config(rtol=1e-2), data_config=DataConfig(seq_len=16),
-        train_config=TrainConfig(model_dir=str(tmp_path / "run"), num_train_steps=1,
-                                 eval_solver="adaptive", eval_num_steps=(2,)),
-        mesh_config=MeshConfig(ici_parallelism=(1, 1, 1)), devices=jax.devices()[:1])
+        train_config=TrainConfig(model_dir=str(tmp_path / "run"), num_train_steps=1),
+        mesh_config=MeshConfig(ici_parallelism=(1, 1, 1)), devices=jax.devices()[:1],
+        evals=[LossEval([Solve("adaptive")])])
     assert trainer.eval_settings == {"@adaptive:rtol=0.01": Solve("adaptive", rtol=1e-2)}
 
 

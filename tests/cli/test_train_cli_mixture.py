@@ -67,7 +67,7 @@ def test_the_mixture_demo_reports_each_components_unigram_entropy(workdir):
     flags = ["--gin_file=configs/runs/demo.gin", "--gin_file=configs/data/mixture_demo.gin",
              f"--gin.MODEL_DIR={model_dir}", f"--gin.EVEN_DIR={data / 'even'}",
              f"--gin.ODD_DIR={data / 'odd'}", "--gin.TRAIN_STEPS=2", "--gin.SEQ_LEN=32",
-             "--gin.D_MODEL=32", "--gin.VOCAB_SIZE=512", "--gin.TrainConfig.eval_num_steps=()",
+             "--gin.D_MODEL=32", "--gin.VOCAB_SIZE=512", "--gin.TrainConfig.eval_solves=()",
              "--gin.TrainConfig.eval_solves=()", "--gin.DataConfig.eval_max_batches=1",
              "--gin.MeshConfig.ici_parallelism=(-1, 1, 1)"]
     proc = subprocess.run([sys.executable, "-m", "ode_lm", "train", *flags], cwd=REPO,

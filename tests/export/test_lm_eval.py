@@ -24,6 +24,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from ode_lm.data import DataConfig  # noqa: E402
 from ode_lm.harness import run as harness  # noqa: E402
 from ode_lm.harness.adapter import OdeLM  # noqa: E402
+from ode_lm.models.solve import Solve
 from ode_lm.training.run_dir import RunDir  # noqa: E402
 from ode_lm.training.saved_run import load_model  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_scores_are_the_log_likelihood_of_the_left_truncated_window(tiny):
 
     @nnx.jit
     def log_probs(m, tokens):  # right padding without segment ids: causal, so harmless
-        return jax.nn.log_softmax(m(tokens, num_steps=N)[0], axis=-1)
+        return jax.nn.log_softmax(m(tokens, solve=Solve(None, N))[0], axis=-1)
 
     for (ctx, cont), (ll, greedy) in zip(pairs, together, strict=True):
         whole = [int(t) for t in tok.encode(ctx + cont)]

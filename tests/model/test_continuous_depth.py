@@ -13,6 +13,7 @@ from model_helpers import LIVELY, greedy_uncached
 
 from ode_lm.models import ModelConfig, build_model, solvers
 from ode_lm.models.config import SOLVERS
+from ode_lm.models.solve import Solve
 
 
 def known_field(x, t):
@@ -101,12 +102,13 @@ def tiny_config(**kw) -> ModelConfig:
 def test_model_traced_steps_and_kinetic_energy():
     model = build_model(tiny_config(), nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-    static = model(tokens, num_steps=3)
-    traced = nnx.jit(lambda m, n: m(tokens, num_steps=n, max_steps=5))(model, jnp.int32(3))
+    static = model(tokens, solve=Solve(None, 3))
+    traced = nnx.jit(lambda m, n: m(tokens, solve=Solve(None, n, max_steps=5)))(model,
+                                                                            jnp.int32(3))
     # precompute generates 3 vs 5 weight sets (another contraction shape): float32 sums
     np.testing.assert_allclose(traced, static, rtol=1e-5, atol=1e-5)
     # kinetic energy = Σ_k dt·mean(f(x_k, t_{k+1})²) along the Euler trajectory
-    _, stats = model(tokens, num_steps=3, return_stats=True)
+    _, stats = model(tokens, solve=Solve(None, 3), return_stats=True)
     traj = model.trajectory(tokens, num_steps=3)
     expected = sum(float(jnp.mean(jnp.square(model.vector_field(traj[k], (k + 1) / 3)))) / 3
                    for k in range(3))

@@ -10,6 +10,7 @@ from model_helpers import TINY, tiny_config, tiny_model
 from ode_lm.models import ModelConfig, build_model
 from ode_lm.models.baselines import ParallelLM
 from ode_lm.models.materialize import materialize
+from ode_lm.models.solve import Solve
 
 THREE = dict(TINY, num_steps=3)
 
@@ -32,7 +33,7 @@ def test_materialize_matches_ode_at_m_equal_and_unequal_n(flavour):
     for m in (3, 5):  # M = N (the config default) and M ≠ N
         flat = materialize(model, num_steps=m)
         assert isinstance(flat, ParallelLM) and flat.config.num_layers == m
-        odes[m] = np.asarray(model(x, num_steps=m))
+        odes[m] = np.asarray(model(x, solve=Solve(None, m)))
         dis = np.asarray(flat(x))
         # dt folded into out_*/mlp_out_* (one extra float32 rounding per layer) on logits ~O(1)
         assert np.abs(odes[m] - dis).max() < 1e-5, (flavour, m, np.abs(odes[m] - dis).max())

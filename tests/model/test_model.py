@@ -11,6 +11,7 @@ from model_helpers import TINY, tiny_model
 from numerics import dot_bound
 
 from ode_lm.models import ModelConfig
+from ode_lm.models.solve import Solve
 
 
 @functools.cache
@@ -21,7 +22,7 @@ def cached_model(flavour: str):
 
 @nnx.jit(static_argnames=("num_steps", "solver"))
 def forward(model, tokens, positions=None, segment_ids=None, num_steps=None, solver=None):
-    return model(tokens, positions, segment_ids, num_steps=num_steps, solver=solver)
+    return model(tokens, positions, segment_ids, solve=Solve(solver, num_steps))
 
 
 def tokens(b=2, t=12, seed=0):
@@ -92,9 +93,16 @@ def test_bad_config_values(kw, msg):
 def test_bad_call_arguments():
     model = cached_model("gpt2")
     with pytest.raises(ValueError, match="solver='rk45'"):
-        model(tokens(), solver="rk45")
+        model(tokens(), solve=Solve("rk45"))
     with pytest.raises(ValueError, match="num_steps=0"):
-        model(tokens(), num_steps=0)
+        model(tokens(), solve=Solve(num_steps=0))
+    # a setting the solver has no use for is refused, in one line naming the solve
+    with pytest.raises(ValueError, match="^DiffEqFormer: the fixed-grid solve 'rk4:steps=2' "
+                       "has no step-size control for rtol$"):
+        model(tokens(), solve=Solve("rk4", 2, rtol=1e-3))
+    with pytest.raises(ValueError, match="^DiffEqFormer: the adaptive solve .* has no fixed "
+                       "grid for num_steps$"):
+        model(tokens(), solve=Solve("adaptive", 4, rtol=1e-3))
     with pytest.raises(ValueError, match=r"tokens: expected shape \[B, T\]"):
         model(jnp.zeros((4,), jnp.int32))
     with pytest.raises(ValueError, match="segment_ids"):

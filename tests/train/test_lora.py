@@ -18,6 +18,7 @@ from ode_lm.lora import (
 from ode_lm.models import build_model
 from ode_lm.models.accounting import param_count
 from ode_lm.models.materialize import materialize
+from ode_lm.models.solve import Solve
 from ode_lm.training.optim import path_name
 
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 60, size=(2, 10)), jnp.int32)
@@ -57,8 +58,9 @@ def test_continuous_lora_targets_hypernetwork_base_weights_at_every_depth():
     _perturb(lora)
     merged = merge_lora(lora)
     for steps in (2, 5):  # the low-rank update is shared by every W(t)
-        np.testing.assert_allclose(np.asarray(merged(TOKENS, num_steps=steps)),
-                                   np.asarray(lora(TOKENS, num_steps=steps)), atol=1e-5)
+        solve = Solve(None, steps)
+        np.testing.assert_allclose(np.asarray(merged(TOKENS, solve=solve)),
+                                   np.asarray(lora(TOKENS, solve=solve)), atol=1e-5)
     delta = merged.block.layers["mlp_up"].w0[...] - ode.block.layers["mlp_up"].w0[...]
     assert np.linalg.matrix_rank(np.asarray(delta), tol=1e-6) == 2
     # the hypernetwork's time coefficients A_d are untouched

@@ -195,9 +195,9 @@ def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
 
     calls = []
 
-    def fake_result(self, params, num_steps=None, solver=None, *, rtol=None, atol=None):
-        calls.append((num_steps, solver, rtol))
-        return EvalResult(loss=float(num_steps or 4), tokens=10.0, nfe=1.0)
+    def fake_result(self, params, solve):
+        calls.append((solve.num_steps, solve.solver, solve.rtol))
+        return EvalResult(loss=float(solve.num_steps or 4), tokens=10.0, nfe=1.0)
 
     monkeypatch.setattr(evaluation.Evaluator, "result", fake_result)
     ev = evaluation.Evaluator(None, lambda: [], model_num_steps=4, model_rtol=1e-3)
@@ -217,8 +217,9 @@ def test_eval_names_are_one_scheme_for_trainer_and_eval_cli(monkeypatch):
 
 def test_metric_suffix_names_the_solver_unless_it_is_the_runs_own():
     """One function names every eval figure: plain only at the run's own solver and N."""
+    from ode_lm.models.solve import Solve
     from ode_lm.training.evaluation import Evaluator
-    from ode_lm.training.metric_names import Solve, metric_suffix, parse_solve
+    from ode_lm.training.metric_names import metric_suffix
 
     def name(n, solver=None, rtol=None):
         return metric_suffix(n, 6, solver, rtol, model_solver="euler")
@@ -228,18 +229,21 @@ def test_metric_suffix_names_the_solver_unless_it_is_the_runs_own():
     assert name(6, "rk4") == name(None, "rk4") == "@rk4:steps=6"
     assert name(4, "midpoint") == "@midpoint:steps=4"
     assert name(None, "adaptive", 1e-3) == name(8, "adaptive", 1e-3) == "@adaptive:rtol=0.001"
-    # the words after '@' are the setting, read back by parse_solve (TrainConfig.eval_solves)
+    # the words after '@' are the setting, read back by Solve.parse (TrainConfig.eval_solves)
     for words in ("rk4:steps=6", "midpoint:steps=2", "adaptive:rtol=0.001", "dopri5:rtol=1e-05"):
-        s = parse_solve(words)
+        s = Solve.parse(words)
         assert name(s.num_steps, s.solver, s.rtol) == "@" + words
-    assert parse_solve("steps=4") == Solve(None, 4) and parse_solve("euler:steps=3").num_steps == 3
+    assert Solve.parse("steps=4") == Solve(None, 4) and Solve.parse("euler:steps=3").num_steps == 3
+    for words in ("rk4:steps=6", "steps=4", "adaptive:rtol=0.001"):  # the one printer
+        assert str(Solve.parse(words)) == words
     for bad, message in (("rk4:step=8", "expected '<solver>:steps=<N>'"),
-                         ("adaptive:steps=8", "expected"), ("steps=x", "expected"),
+                         ("adaptive:steps=8", "expected"),
+                         ("steps=x", "'x' is not a whole number of steps"),
                          ("rk5:steps=8", "solver 'rk5' is not one of"),
                          ("euler:steps=0", "steps must be > 0"),
                          ("adaptive:rtol=-1", "rtol must be > 0")):
         with pytest.raises(ValueError, match=f"^flag={bad!r}: {message}"):
-            parse_solve(bad, "flag")
+            Solve.parse(bad, "flag")
     ev = Evaluator(None, lambda: [], model_num_steps=6, model_solver="euler", model_rtol=1e-3)
     settings = ev.settings([Solve(), Solve("euler", 6), Solve(None, 4), Solve("rk4", 6),
                             Solve("adaptive")])
@@ -250,7 +254,8 @@ def test_metric_suffix_names_the_solver_unless_it_is_the_runs_own():
 
 def test_metric_names_read_back_what_they_write():
     """name -> (metric, setting, eval set) -> the same name, for every kind of figure."""
-    from ode_lm.training.metric_names import MetricName, Solve, is_metric, name, parse
+    from ode_lm.models.solve import Solve
+    from ode_lm.training.metric_names import MetricName, is_metric, name, parse
 
     cases = {
         "eval/perplexity": MetricName("perplexity"),
@@ -275,7 +280,7 @@ def test_metric_names_read_back_what_they_write():
 
 
 def test_depth_table_shows_each_setting_once_and_leaves_the_rest():
-    from ode_lm.training.metric_names import Solve
+    from ode_lm.models.solve import Solve
     from ode_lm.training.summary import depth_table
 
     results = {"eval/loss": 4.6, "eval/perplexity": 100.5, "eval/nfe": 6.0,

@@ -20,6 +20,7 @@ from ode_lm import partitioning
 from ode_lm.errors import SettingError
 from ode_lm.models import build_model
 from ode_lm.models.accounting import flops_per_token
+from ode_lm.models.solve import Solve
 from ode_lm.training import metrics as metrics_lib
 from ode_lm.training import objective as obj
 from ode_lm.training import state as state_lib
@@ -285,8 +286,8 @@ def _distilled_step(term, w: float, student: tuple[int, str], stride: int = 1):
     batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
     rows = {k: v[::stride] for k, v in batch.items()}
     run = lambda p, n, solver, b=batch: spec.model(p)(b["inputs"], b["positions"],
-                                                      b["segment_ids"], num_steps=n,
-                                                      solver=solver)
+                                                      b["segment_ids"],
+                                                      solve=Solve(solver, n))
     tokens = float(jnp.sum(rows["loss_mask"]))
 
     def kl_to(p, teacher):
@@ -334,7 +335,7 @@ def test_solver_loss_adds_the_second_solves_cross_entropy_to_the_main_one():
 
     def ce(p, n, solver):
         logits = spec.model(p)(batch["inputs"], batch["positions"], batch["segment_ids"],
-                               num_steps=n, solver=solver)
+                               solve=Solve(solver, n))
         return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
                                                                         batch["targets"]))
 
@@ -432,8 +433,9 @@ def test_acceleration_on_a_discrete_model_is_refused_in_one_line():
     config = step_lib.StepConfig(terms=(obj.Acceleration(),))
     fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
     batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-    with jax.set_mesh(spec.mesh), pytest.raises(SettingError, match="Acceleration: .*"
-                                                "remove the term from StepConfig.terms"):
+    with jax.set_mesh(spec.mesh), pytest.raises(
+            ValueError, match=r"^SequentialLM: cannot run the solve "
+            r"Solve\(integrate=\('acceleration',\)\): a discrete model runs its 2 layers"):
         fn(state_lib.init_state(spec, 0), batch)
 
 
