@@ -126,7 +126,8 @@ def check_tokenizer_match(pretrained: RunDir, data_config: Any, model: ModelConf
                 f"tokenizer mismatch: the pretrained run {pretrained_dir} used {a['spec']!r} "
                 f"(sha256 {a['sha256'][:12]}, {pre_dir}) but the fine-tuning data "
                 f"{data_config.data_dir} uses {b['spec']!r} (sha256 {b['sha256'][:12]}); "
-                f"use DataConfig.tokenizer='hf:{os.path.join(pre_dir, 'tokenizer.json')}'"
+                "use DataConfig.tokenizer=" + repr(f"hf:{os.path.join(pre_dir, a['file'])}"
+                                                   if a.get("file") else a["spec"])
             )
     if ft["vocab_size"] > model.vocab_size:
         raise ValueError(f"tokenizer mismatch: fine-tuning data {data_config.data_dir} has "
