@@ -104,3 +104,26 @@ def test_provenance_names_the_command_commit_date_and_machine():
     assert prov["date"].endswith("Z") and prov["machine"]["cpu"]
     assert prov["machine"]["cores"] >= 1
     assert prov["commit"] is None or len(prov["commit"].split("+")[0]) == 40
+
+
+@pytest.mark.parametrize("corpus", ["builtin", "fortunes"])
+def test_the_claims_page_holds_every_claim_with_its_threshold(corpus):
+    """docs/claims.md's tables come from `ode-lm reproduce`'s JSON, which holds every claim
+    of the suite with the threshold the code fixes, one value per seed and a verdict."""
+    from ode_lm.claims import suite
+    from ode_lm.claims.verdict import VERDICTS, Threshold, judge
+
+    data = json.loads((REPO / "docs" / "data" / f"claims_{corpus}.json").read_text())
+    rows = {c["id"]: c for c in data["claims"]}
+    page = (REPO / "docs" / "claims.md").read_text()
+    assert f"<!-- table:claims_{corpus} -->" in page
+    for claim in suite.CLAIMS:
+        if claim.id not in rows:
+            continue  # a corpus may run a subset: the page says which
+        row = rows[claim.id]
+        assert Threshold(**row["threshold"]) == claim.threshold, claim.id
+        assert len(row["values"]) == len(row["seeds"]) == len(data["seeds"]) >= 3
+        assert row["verdict"] in VERDICTS
+        assert judge(row["values"], claim.threshold).verdict == row["verdict"], claim.id
+    if corpus == "builtin":
+        assert set(rows) == {c.id for c in suite.CLAIMS}  # the built-in corpus runs them all
