@@ -1,8 +1,8 @@
 """The self-speculative decoding figure of docs/export.md, from `ode-lm sample --json` files.
 
     ode-lm sample --model_dir=RUN --prompt=... --temperature=0 --draft=euler:2 \\
-        --draft_tokens=1,2,3,4,6,8 --json=docs/data/speculative_<name>.json
-    python tools/speculative_figure.py docs/data/speculative_*.json --out docs/speculative.png
+        --draft_tokens=1,2,3,4,6,8 --json=speculative_<name>.json
+    python tools/speculative_figure.py speculative_*.json --out speculative.png
 
 Left: the share of draft tokens the verifier accepts against k; right: tokens/s of
 self-speculative decoding over plain decoding at the verifier's solve (the same run, the

@@ -168,8 +168,11 @@ def test_eval_cli_matches_training_eval_and_sweeps_depth(reference, capsys):
     assert main([f"--model_dir={reference}", "--num_steps=2,4", "--solver=rk4"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     rk4 = json.loads(out[-1])
-    assert set(rk4) == {"step", "eval/tokens"} | {
-        f"eval/{m}@rk4:steps={n}" for m in ("loss", "perplexity", "nfe") for n in (2, 4)}
+    # ... and the run's own solve beside it, so that each setting has its gap to it
+    assert set(rk4) == {"step", "eval/tokens", "eval/loss", "eval/perplexity", "eval/nfe"} | {
+        f"eval/{m}@rk4:steps={n}" for m in ("loss", "perplexity", "nfe") for n in (2, 4)} | {
+        f"eval/depth_gap/rk4:steps={n}" for n in (2, 4)}
+    assert rk4["eval/loss"] == pytest.approx(results["eval/loss"], abs=1e-5)
     assert rk4["eval/nfe@rk4:steps=2"] == 8.0 and rk4["eval/tokens"] == results["eval/tokens"]
     assert f"eval/perplexity@rk4:steps=2: {rk4['eval/perplexity@rk4:steps=2']:.4f}" in out
     assert rk4["eval/loss@rk4:steps=2"] != results["eval/loss"]

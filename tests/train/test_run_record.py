@@ -446,7 +446,8 @@ def test_ctrl_c_outside_training_is_one_line_and_130(work, finished, command):
     run left as it was."""
     before = tree_hash(finished)
     argv = {"eval": ["--num_steps=64,128,256,512"],
-            "sample": ["--prompt=The", "--max_new_tokens=24", "--num_steps=4096"]}[command]
+            "sample": ["--prompt=The", "--max_new_tokens=24", "--num_steps=4096",
+                       "--solver=rk4"]}[command]
     proc = subprocess.Popen([shutil.which("ode-lm") or pytest.skip("no ode-lm script"),
                              command, f"--model_dir={finished}", *argv], cwd=REPO,
                             env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
