@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from ode_lm.models.config import ModelConfig
+from ode_lm.training.run_lock import first_missing
 
 # The input side, injectable so fine-tuning or tests can bring their own batches.
 # train: (data_config, mesh, rules, start_step) -> (checkpointable iterator or None, batches)
@@ -61,16 +62,10 @@ def data_dirs_kept_as_found(data_config: Any, model_dir: str) -> Iterator[None]:
 
 
 def _first_missing(path: str | None) -> str | None:
-    """The topmost ancestor of a local ``path`` (or itself) that does not exist yet."""
+    """The topmost missing ancestor of a local ``path`` (None for a remote one)."""
     if not path or "://" in path:
         return None
-    path, missing = os.path.abspath(path), None
-    while not os.path.lexists(path):
-        missing, parent = path, os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
+    return first_missing(path)
 
 
 def default_train_data(data_config: Any, mesh, rules, start_step: int):
@@ -103,8 +98,6 @@ def check_resume_tokenizer(run_dir: Any, data_config: Any, manifest: dict) -> No
     tokenizer record the run keeps (``RunDir.inputs``), else (a run from before it) by the
     manifest of the data dir it records; another tokenizer under the same spec (``bpe:N``
     trained on another corpus) is refused in one line, before anything is written."""
-    import os
-
     from ode_lm.data.manifest import has_manifest, load_manifest
 
     new_dir = getattr(data_config, "data_dir", None)

@@ -62,7 +62,7 @@ class RunDirLock:
             os.close(self.fd)
 
 
-def _first_missing(path: str) -> str | None:
+def first_missing(path: str) -> str | None:
     """The topmost ancestor of ``path`` (or itself) that does not exist yet."""
     path, missing = os.path.abspath(path), None
     while not os.path.lexists(path):
@@ -108,7 +108,7 @@ def _describe(info: dict) -> str:
 
 def acquire(model_dir: str) -> RunDirLock:
     """Take MODEL_DIR's run lock (making MODEL_DIR if needed); RunLockedError if held."""
-    created = _first_missing(model_dir)
+    created = first_missing(model_dir)
     was_empty = created is None and os.path.isdir(model_dir) and not os.listdir(model_dir)
     path = RunDir(model_dir).lock
     try:
