@@ -48,10 +48,10 @@ REAL_RUN_GIN=(--gin.D_MODEL=768 --gin.NUM_HEADS=12 --gin.SEQ_LEN=1024 --gin.BATC
               --gin.TrainConfig.log_every=20 --gin.CheckpointConfig.save_every=1000)
 if (( DRY_RUN )); then
   # budgets ~1.6x what an idle small CPU host takes, so a loaded host (a parallel test run)
-  # still finishes each step; the real run logs every step, as each of the recipe's
-  # compiled variants compiles on its first draw
-  TOTAL_BUDGET_S=480; INSTALL_S=5; ENV_S=30; SMOKE_S=60; ATTENTION_S=45; PARITY_S=90
-  DETERMINISM_S=90; RESUME_S=90; BENCH_S=90; DATA_S=90; REAL_RUN_S=80; REAL_RUN_TRAIN_S=45
+  # still finishes each step; the real run logs every step and trains long enough that a
+  # loaded host times some steps after each of the recipe's variants compiled on first draw
+  TOTAL_BUDGET_S=600; INSTALL_S=5; ENV_S=30; SMOKE_S=60; ATTENTION_S=45; PARITY_S=90
+  DETERMINISM_S=90; RESUME_S=90; BENCH_S=90; DATA_S=90; REAL_RUN_S=140; REAL_RUN_TRAIN_S=100
   PROFILE_S=40; BENCH_VARIANTS_S=0
   SIZE_FLAG="--small"; PARITY_STEPS=2; TRAIN_RUN_STEPS=6; BENCH_CONFIG=tiny; BENCH_STEPS=2
   REAL_RUN_GIN=(--gin.SEQ_LEN=64 --gin.BATCH_SIZE=4 --gin.TRAIN_STEPS=100000
