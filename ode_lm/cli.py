@@ -16,8 +16,10 @@ import argparse
 import logging
 import os
 import re
+import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -223,18 +225,63 @@ EXIT_INTERRUPTED = 130
 def report_interrupt(prog: str, e: BaseException | None = None) -> int:
     """Ctrl-C, for every command: one stderr line (the interrupt's own words when it has
     any: the trainer's second press names the latest checkpoint), exit 130. Said once when
-    wrappers nest (the dispatcher's around the command's own)."""
+    wrappers nest (the dispatcher's around the command's own) or when the Ctrl-C thread
+    already answered."""
     if debug():
         raise e if e is not None else KeyboardInterrupt
     global _interrupt_reported
-    if not _interrupt_reported:
-        _interrupt_reported = True
-        text = str(e) if e is not None and str(e) else "stopped by Ctrl-C"
-        print(f"{prog}: {text}", file=sys.stderr, flush=True)
+    with _interrupt_lock:
+        if not _interrupt_reported:
+            _interrupt_reported = True
+            text = str(e) if e is not None and str(e) else _ctrl_c_text
+            print(f"{prog}: {text}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
 
 
 _interrupt_reported = False
+_interrupt_lock = threading.Lock()
+_ctrl_c_text = "stopped by Ctrl-C"
+_ctrl_c_pressed = threading.Event()
+
+
+def answer_ctrl_c_at_once(prog: str) -> None:
+    """Reply to Ctrl-C the moment it is pressed, even while the main thread is inside a long
+    XLA compile or call (Python runs a signal handler only between the main thread's
+    bytecodes): the signal's wakeup byte wakes a thread that prints the one line; the main
+    thread stops with KeyboardInterrupt at its next bytecode, and ``report_interrupt`` does
+    not repeat the line. Only while Ctrl-C has Python's default handler: the trainer's own
+    handler (stop after this step, then save) answers for itself. The console scripts call
+    this once; a no-op off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    try:
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    except ValueError:
+        return
+
+    def watch() -> None:
+        while data := os.read(read, 64):
+            if (signal.SIGINT in data
+                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+                _ctrl_c_pressed.set()
+                report_interrupt(prog)
+
+    threading.Thread(target=watch, name="ctrl-c", daemon=True).start()
+
+
+def ctrl_c_text(text: str) -> None:
+    """What a Ctrl-C outside any handler of the command's own says from now on (the gin
+    CLIs: nothing more saved, outside the train loop)."""
+    global _ctrl_c_text
+    _ctrl_c_text = text
+
+
+def exit_status(code: int) -> int:
+    """130 once Ctrl-C was answered, even if the interrupt never reached the command (a
+    library swallowed it, or the work ended first): the reply and the exit status agree."""
+    return EXIT_INTERRUPTED if _ctrl_c_pressed.is_set() else code
 
 
 def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:
@@ -305,6 +352,8 @@ def run_gin_cli(
         return run_command(prog, lambda: _gin_help(parser, argv, prog, verbose), verbose=verbose)
     from ode_lm import distributed, gin_setup
 
+    said = _ctrl_c_text
+    ctrl_c_text("stopped by Ctrl-C outside the train loop; nothing more saved")
     try:
         flags = gin_setup.parse_flags(argv)
         if flags.rest:
@@ -321,9 +370,9 @@ def run_gin_cli(
         distributed.wait_for_lost_peer(e)  # a failed collective: name the lost host instead
         return report_error(prog, e, verbose)
     except KeyboardInterrupt as e:  # a second Ctrl-C (the trainer's StopNow), or one outside
-        return report_interrupt(  # the loop: one line, no traceback
-            prog, e if str(e) else KeyboardInterrupt(
-                "stopped by Ctrl-C outside the train loop; nothing more saved"))
+        return report_interrupt(prog, e if str(e) else None)  # the loop: one line
+    finally:
+        ctrl_c_text(said)
     return report(result)
 
 
@@ -332,4 +381,4 @@ def main_exit(main: Callable[[], int]) -> None:
     teardown can hang at interpreter exit)."""
     from ode_lm import distributed
 
-    distributed.exit_process(main())
+    distributed.exit_process(exit_status(main()))

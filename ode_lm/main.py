@@ -71,8 +71,12 @@ def dispatch(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``ode-lm`` console script (and ``python -m ode_lm``)."""
-    code = dispatch(list(sys.argv[1:] if argv is None else argv))
     name = (sys.argv[1:] if argv is None else argv)[:1]
+    if argv is None and name and name[0] in COMMANDS:
+        cli.answer_ctrl_c_at_once(f"{PROG} {name[0]}")
+    code = dispatch(list(sys.argv[1:] if argv is None else argv))
+    if argv is None:
+        code = cli.exit_status(code)
     multi_host = bool(name) and name[0] in COMMANDS and COMMANDS[name[0]].multi_host
     if argv is None and multi_host and "jax" in sys.modules:  # jax not loaded: nothing ran
         from ode_lm import distributed

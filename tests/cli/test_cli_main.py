@@ -100,3 +100,43 @@ def test_the_console_script():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr == ("ode-lm sample: error: unrecognized arguments: --top=1 (see --help)\n")
+
+
+_LONG_C_CALL = r"""
+import sys
+import numpy as np
+from ode_lm import cli
+cli.answer_ctrl_c_at_once("ode-lm sample")
+def body():
+    print("ready", flush=True)
+    a = np.random.default_rng(0).random((1500, 1500))
+    for _ in range(10 ** 6):  # C calls without a bytecode between their halves
+        a = a @ a
+        a /= a.max()
+    return 0
+def swallowing():  # a library that catches the interrupt and finishes its work
+    try:
+        return body()
+    except KeyboardInterrupt:
+        return 0
+code = cli.run_command("ode-lm sample", swallowing if SWALLOW else body)
+sys.exit(cli.exit_status(code))
+"""
+
+
+@pytest.mark.parametrize("swallow", [False, True])
+def test_ctrl_c_is_answered_inside_a_long_c_call_then_exits_130(swallow):
+    """Ctrl-C inside long C calls: one line, exit 130, also when something swallowed the
+    KeyboardInterrupt and the work ended by itself (the reply and the status agree)."""
+    import signal
+
+    source = _LONG_C_CALL.replace("SWALLOW", str(swallow))
+    proc = subprocess.Popen([sys.executable, "-c", source], env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdout.readline().strip() == "ready"
+    os.killpg(proc.pid, signal.SIGINT)
+    line = proc.stderr.readline().strip()
+    out, err = proc.communicate(timeout=120)
+    assert line == "ode-lm sample: stopped by Ctrl-C" and err.strip() == "", (line, err)
+    assert proc.returncode == 130
