@@ -10,6 +10,7 @@ is its one caller there.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -63,6 +64,20 @@ def tpu_library_path() -> str | None:
     from jax._src import cloud_tpu_init
 
     return cloud_tpu_init.get_tpu_library_path()
+
+
+@_private("jax._src.hardware_utils.num_available_tpu_chips_and_device_id")
+def quiet_libtpu_off_tpu(accelerator_type: str) -> None:
+    """Off a TPU VM (no TPU chips: jax then skips the metadata server), libtpu loaded for
+    compile-only devices prints three lines of noise about the accelerator type and worker
+    hostnames it cannot look up; naming them here (unless the environment already does)
+    silences it. On a TPU VM nothing is set: the runtime finds its own."""
+    from jax._src import hardware_utils
+
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        return
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type)
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 # ------------------------------------------------------------------ optax

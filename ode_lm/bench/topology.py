@@ -101,6 +101,10 @@ def topology_devices(topo: Topology) -> list:
     """Compile-only TPU devices for the topology (needs libtpu)."""
     from jax.experimental import topologies
 
+    from ode_lm import compat
+
+    cores = topo.chips_per_slice * topo.chip.cores_in_name
+    compat.quiet_libtpu_off_tpu(f"{topo.chip.name}-{cores}")
     kwargs = {"num_slices": topo.num_slices} if topo.num_slices > 1 else {}
     if topo.chip.chip_config_name:
         kwargs["chip_config_name"] = topo.chip.chip_config_name

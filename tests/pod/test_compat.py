@@ -3,6 +3,8 @@ bump that moves one fails here, naming the call, before it fails a run."""
 
 from __future__ import annotations
 
+import os
+
 import gin
 import pytest
 
@@ -19,6 +21,19 @@ def test_jax_private_apis():
     assert compat.running_in_cloud_tpu_vm() in (True, False)
     path = compat.tpu_library_path()
     assert path is None or isinstance(path, str)
+
+
+def test_libtpu_is_told_its_accelerator_off_a_tpu_vm(monkeypatch):
+    from jax._src import hardware_utils
+
+    monkeypatch.delenv("TPU_ACCELERATOR_TYPE", raising=False)
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "tpu-0,tpu-1")  # the user's own: kept
+    compat.quiet_libtpu_off_tpu("v5e-4")
+    if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+        assert "TPU_ACCELERATOR_TYPE" not in os.environ
+    else:
+        assert os.environ["TPU_ACCELERATOR_TYPE"] == "v5e-4"
+    assert os.environ["TPU_WORKER_HOSTNAMES"] == "tpu-0,tpu-1"
 
 
 def test_optax_masked_node_is_what_multi_transform_leaves_for_frozen_params():
