@@ -57,10 +57,7 @@ class SpeculativeStats:
 
 def distribution(logits, temperature: float, top_p: float, vocab_limit: int | None):
     """The sampling distribution ``generation.sample_token`` draws from, as probabilities."""
-    logits = logits.astype(jnp.float32)
-    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
-    logits = logits / temperature
+    logits = _limited(logits, vocab_limit) / temperature
     if top_p < 1.0:
         order = jnp.argsort(-logits, axis=-1)
         sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
@@ -71,11 +68,16 @@ def distribution(logits, temperature: float, top_p: float, vocab_limit: int | No
     return jax.nn.softmax(logits, axis=-1)
 
 
-def _greedy(logits, vocab_limit):
+def _limited(logits, vocab_limit):
+    """float32 logits, -inf past the tokenizer's vocabulary (the model's may be padded)."""
     logits = logits.astype(jnp.float32)
     if vocab_limit is not None and vocab_limit < logits.shape[-1]:
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits, -jnp.inf)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return logits
+
+
+def _greedy(logits, vocab_limit):
+    return jnp.argmax(_limited(logits, vocab_limit), axis=-1).astype(jnp.int32)
 
 
 def accept(draft, q, p, key, temperature: float):
@@ -118,8 +120,8 @@ def _speculate(graphdef, state, tokens, valid, key, *, max_new_tokens, draft, ve
     t_max = p + total
 
     def dist(logits):
-        if temperature <= 0:
-            return logits.astype(jnp.float32)
+        if temperature <= 0:  # greedy: the logits the verifier's argmax reads, vocab limited
+            return _limited(logits, vocab_limit)
         return distribution(logits, temperature, top_p, vocab_limit)
 
     def pick(logits, key):
@@ -276,33 +278,75 @@ AUTO_BATCHES = 2
 
 @dataclasses.dataclass(frozen=True)
 class DraftChoice:
-    draft: tuple[int, str]
+    draft: tuple[int, str] | None  # None: no draft is predicted faster than plain decoding
     draft_tokens: int
     agreement: dict[int, float]  # draft N → greedy agreement with the verifier
-    speedup: float  # predicted
+    speedup: float  # predicted, from the agreement and the timed forwards
 
     def text(self) -> str:
         agree = ", ".join(f"N={n}: {100 * a:.0f}%" for n, a in self.agreement.items())
-        return (f"--draft=auto: euler:{self.draft[0]} x {self.draft_tokens} (agreement with "
-                f"the verifier on validation text {agree}; predicted {self.speedup:.2f}x)")
+        said = (f"agreement with the verifier on validation text {agree}; predicted "
+                f"{self.speedup:.2f}x from the timed forwards")
+        if self.draft is None:
+            return f"--draft=auto: plain decoding (no draft predicted faster: {said})"
+        return f"--draft=auto: euler:{self.draft[0]} x {self.draft_tokens} ({said})"
 
 
-def predicted_speedup(agreement: float, k: int, draft_cost: float) -> float:
-    """Tokens per verifier forward, (1 − αᵏ⁺¹)/(1 − α) for per-token agreement α, over the
-    round's cost in verifier forwards (k drafts at ``draft_cost`` each, one verify)."""
+def predicted_speedup(agreement: float, k: int, draft_cost: tuple[float, float],
+                      verify_cost: float, plain_cost: float) -> float:
+    """Tokens per round, (1 − αᵏ⁺¹)/(1 − α) for per-token agreement α, over the round's
+    cost (the draft's forwards: one of 2 positions, k − 1 of one; the verifier's forward
+    of k + 1 positions) in plain decoding's cost per token (the verifier's forward of
+    one position). ``draft_cost``: (seconds at 1 position, at 2)."""
     a = min(agreement, 1 - 1e-9)
-    return (1 - a ** (k + 1)) / (1 - a) / (k * draft_cost + 1)
+    one, two = draft_cost
+    return (1 - a ** (k + 1)) / (1 - a) * plain_cost / (two + (k - 1) * one + verify_cost)
 
 
-def auto_draft(model: nnx.Module, model_dir: str, verify: tuple[int, str]) -> DraftChoice:
+def forward_seconds(model: nnx.Module, solve: tuple[int, str], positions: int,
+                    repeats: int = 20) -> float:
+    """Seconds of one compiled cached forward of ``positions`` tokens at ``solve`` (a
+    draft's step: 1; a verifier's round: k + 1; plain decoding: 1), the best of three
+    timings of ``repeats`` calls: what a round costs here, not what its NFE suggest (on a
+    small model a forward of k + 1 positions costs more than one of 1)."""
+    import time
+
+    config = model.config
+    weights, dt, solver = stage_weights(model, *solve)
+    m, st = jax.tree.leaves(weights)[0].shape[:2]
+    t_max = min(config.max_seq_len, 128)
+    cache = init_cache(config, m, st, 1, t_max)
+    key_valid = jnp.ones((1, t_max), bool)
+    at = t_max // 2 - positions
+
+    @jax.jit
+    def forward(weights, cache, tokens, pos):
+        x, cache = solve_cached(config, weights, dt, solver, model.embed(tokens, pos), pos, at,
+                                cache, key_valid)
+        return jnp.argmax(model.logits(x), axis=-1), cache
+
+    tokens = jnp.zeros((1, positions), jnp.int32)
+    pos = (at + jnp.arange(positions, dtype=jnp.int32))[None]
+    jax.block_until_ready(forward(weights, cache, tokens, pos))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            out = forward(weights, cache, tokens, pos)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - t0) / repeats)
+    return best
+
+
+def auto_draft(model: nnx.Module, data_config, verify: tuple[int, str],
+               model_dir: str) -> DraftChoice:
     """The draft N (Euler) and k with the best predicted speed-up: greedy agreement of each
     draft solve with the verifier on the run's first validation batches (teacher forced),
-    and a cost of NFE per forward."""
+    and each forward's cost timed here (compiled). None of them faster than plain
+    decoding: the choice says so, and plain decoding it is."""
     from ode_lm import data as data_lib
-    from ode_lm.models.solvers import num_stages
-    from ode_lm.training.run_dir import RunDir
 
-    config = RunDir(model_dir).data_config()
+    config = data_config  # the run's (a DataConfig), None when it records none
     if config is None:
         raise UsageError(f"--draft=auto: {model_dir} names no validation data")
 
@@ -326,7 +370,18 @@ def auto_draft(model: nnx.Module, model_dir: str, verify: tuple[int, str]) -> Dr
             same[n] += float(((guess == target) & mask).sum())
         count += float(mask.sum())
     agreement = {n: same[n] / max(count, 1.0) for n in AUTO_DRAFT_STEPS}
-    verify_nfe = verify[0] * num_stages(verify[1])
-    best = max((predicted_speedup(agreement[n], k, n / verify_nfe), n, k)
-                for n in AUTO_DRAFT_STEPS for k in AUTO_DRAFT_TOKENS)
-    return DraftChoice((best[1], "euler"), best[2], agreement, best[0])
+    draft_cost = {n: (forward_seconds(model, (n, "euler"), 1),
+                      forward_seconds(model, (n, "euler"), 2)) for n in AUTO_DRAFT_STEPS}
+    verify_cost = {k: forward_seconds(model, verify, k + 1) for k in AUTO_DRAFT_TOKENS}
+    plain_cost = forward_seconds(model, verify, 1)
+    return choose_draft(agreement, draft_cost, verify_cost, plain_cost)
+
+
+def choose_draft(agreement: dict[int, float], draft_cost: dict[int, tuple[float, float]],
+                 verify_cost: dict[int, float], plain_cost: float) -> DraftChoice:
+    """The (draft N, k) of the best predicted speed-up over every N of ``agreement`` and k
+    of ``verify_cost``; no draft when none beats plain decoding."""
+    best = max((predicted_speedup(agreement[n], k, draft_cost[n], verify_cost[k], plain_cost),
+                n, k) for n in agreement for k in verify_cost)
+    draft = (best[1], "euler") if best[0] > 1.0 else None
+    return DraftChoice(draft, best[2], agreement, best[0])

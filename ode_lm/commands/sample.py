@@ -98,8 +98,9 @@ def run(args: argparse.Namespace) -> list[str]:
     kw = dict(max_new_tokens=args.max_new_tokens, num_steps=args.num_steps, solver=args.solver,
               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
               vocab_limit=tok.vocab_size, rtol=args.rtol, atol=args.atol)
-    if args.draft is not None:
-        return run_speculative(args, model, run, tok, prompts, kw)
+    if args.draft is not None and (texts := run_speculative(args, model, run, tok, prompts,
+                                                            kw)) is not None:
+        return texts
     t0 = time.perf_counter()
     out = generate(model, prompts, **kw)
     first = time.perf_counter() - t0
@@ -131,9 +132,10 @@ def print_texts(prompts: list[str], out, tok) -> tuple[list[str], list[int]]:
     return texts, counts
 
 
-def run_speculative(args, model, run, tok, prompts, kw) -> list[str]:
+def run_speculative(args, model, run, tok, prompts, kw) -> list[str] | None:
     """Self-speculative decoding, then (unless --no_timing) both it and plain decoding at
-    the verifier's solve timed once compiled, one line per k with the acceptance figures."""
+    the verifier's solve timed once compiled, one line per k with the acceptance figures.
+    None: ``--draft=auto`` found no draft faster than plain decoding (it said so)."""
     from ode_lm.generation import generate
     from ode_lm.models.solvers import is_adaptive
     from ode_lm.speculative import auto_draft, parse_solve, speculative_generate
@@ -149,9 +151,11 @@ def run_speculative(args, model, run, tok, prompts, kw) -> list[str]:
     if args.json is not None and os.path.isdir(args.json):
         raise cli.UsageError(f"--json={args.json}: a directory")
     if args.draft == "auto":
-        choice = auto_draft(model, run.model_dir, verify)
-        draft, ks = choice.draft, [choice.draft_tokens]
+        choice = auto_draft(model, run.data_config, verify, run.model_dir)
         print(choice.text())
+        if choice.draft is None:
+            return None
+        draft, ks = choice.draft, [choice.draft_tokens]
     else:
         draft, ks = parse_solve(args.draft, "--draft"), args.draft_tokens
     base = dict(draft=draft, verify=verify, max_new_tokens=args.max_new_tokens,

@@ -12,7 +12,14 @@ from model_helpers import LIVELY, tiny_model
 
 from ode_lm.errors import UsageError
 from ode_lm.generation import generate
-from ode_lm.speculative import accept, parse_solve, speculative_generate
+from ode_lm.speculative import (
+    accept,
+    choose_draft,
+    forward_seconds,
+    parse_solve,
+    predicted_speedup,
+    speculative_generate,
+)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [11, 3, 9]]  # different lengths: per-row acceptance
 
@@ -35,6 +42,18 @@ def test_greedy_is_plain_greedy_at_the_verifier(model, plain, k, draft):
     assert 0.0 <= stats.acceptance_rate <= 1.0
     assert 1.0 <= stats.tokens_per_round <= k + 1
     assert (stats.rounds >= np.ceil((10 - 1) / (k + 1))).all()  # k+1 tokens a round at most
+
+
+def test_greedy_keeps_to_the_tokenizers_vocabulary(model):
+    """A padded model vocabulary: the verifier's argmax, like plain decoding's, never picks
+    a token past the tokenizer's (the sample CLI's ``vocab_limit``)."""
+    limit = 23
+    ref = generate(model, PROMPTS, max_new_tokens=10, num_steps=4, solver="euler",
+                   vocab_limit=limit)
+    out, _ = speculative_generate(model, PROMPTS, draft=(1, "euler"), verify=(4, "euler"),
+                                  draft_tokens=3, max_new_tokens=10, vocab_limit=limit)
+    np.testing.assert_array_equal(out, ref)
+    assert out.max() < limit
 
 
 def test_one_prompt_runs_without_the_batch_map(model):
@@ -108,3 +127,29 @@ def test_bad_inputs(model):
     assert parse_solve("rk4:3", "--draft") == (3, "rk4")
     with pytest.raises(UsageError, match="--draft_tokens=0"):
         speculative_generate(model, PROMPTS, draft=(1, "euler"), draft_tokens=0)
+
+
+def test_predicted_speedup_counts_the_rounds_real_cost():
+    # α = 0.5, k = 2: (1 − 0.5³)/(1 − 0.5) = 1.75 tokens per round; the round costs a draft
+    # forward of 2 positions (2), one of 1 (1) and the verifier's of 3 (3): 6, plain 2/token
+    assert predicted_speedup(0.5, 2, (1.0, 2.0), 3.0, 2.0) == pytest.approx(1.75 * 2 / 6)
+    assert predicted_speedup(1.0, 3, (0.0, 0.0), 1.0, 1.0) == pytest.approx(4.0)
+
+
+def test_auto_picks_the_fastest_draft_or_plain_decoding():
+    cheap = {1: (0.1, 0.15), 2: (0.2, 0.3)}
+    verify = {k: 1.0 + 0.1 * k for k in range(2, 9)}
+    good = choose_draft({1: 0.2, 2: 0.9}, cheap, verify, 1.0)
+    assert good.draft == (2, "euler") and good.speedup > 1.0
+    assert good.speedup == pytest.approx(max(
+        predicted_speedup(a, k, cheap[n], verify[k], 1.0)
+        for n, a in {1: 0.2, 2: 0.9}.items() for k in verify))
+    assert "euler:2 x" in good.text()
+    hopeless = choose_draft({1: 0.0, 2: 0.1}, cheap, verify, 1.0)  # drafts always rejected
+    assert hopeless.draft is None and hopeless.speedup < 1.0
+    assert hopeless.text().startswith("--draft=auto: plain decoding (no draft predicted faster")
+
+
+def test_forward_seconds_times_a_compiled_forward(model):
+    one = forward_seconds(model, (2, "euler"), 1, repeats=2)
+    assert 0.0 < one < 60.0
