@@ -282,14 +282,25 @@ class DraftChoice:
     draft_tokens: int
     agreement: dict[int, float]  # draft N → greedy agreement with the verifier
     speedup: float  # predicted, from the agreement and the timed forwards
+    draft_cost: dict[int, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    verify_cost: dict[int, float] = dataclasses.field(default_factory=dict)  # k → seconds
+    plain_cost: float = 0.0
 
     def text(self) -> str:
+        """Two lines: the choice with its reasons, the timed forwards it rests on."""
         agree = ", ".join(f"N={n}: {100 * a:.0f}%" for n, a in self.agreement.items())
         said = (f"agreement with the verifier on validation text {agree}; predicted "
                 f"{self.speedup:.2f}x from the timed forwards")
         if self.draft is None:
-            return f"--draft=auto: plain decoding (no draft predicted faster: {said})"
-        return f"--draft=auto: euler:{self.draft[0]} x {self.draft_tokens} ({said})"
+            line = f"--draft=auto: plain decoding (no draft predicted faster: {said})"
+        else:
+            line = f"--draft=auto: euler:{self.draft[0]} x {self.draft_tokens} ({said})"
+        if not self.verify_cost:
+            return line
+        verify = ", ".join(f"{k + 1}: {1e3 * c:.2f}" for k, c in self.verify_cost.items())
+        draft = ", ".join(f"N={n}: {1e3 * c[0]:.2f}" for n, c in self.draft_cost.items())
+        return (f"{line}\n--draft=auto: a forward, ms (compiled): the verifier at 1 position "
+                f"{1e3 * self.plain_cost:.2f}, at k + 1 = {verify}; an Euler draft step {draft}")
 
 
 def predicted_speedup(agreement: float, k: int, draft_cost: tuple[float, float],
@@ -303,38 +314,43 @@ def predicted_speedup(agreement: float, k: int, draft_cost: tuple[float, float],
     return (1 - a ** (k + 1)) / (1 - a) * plain_cost / (two + (k - 1) * one + verify_cost)
 
 
-def forward_seconds(model: nnx.Module, solve: tuple[int, str], positions: int,
-                    repeats: int = 20) -> float:
-    """Seconds of one compiled cached forward of ``positions`` tokens at ``solve`` (a
-    draft's step: 1; a verifier's round: k + 1; plain decoding: 1), the best of three
-    timings of ``repeats`` calls: what a round costs here, not what its NFE suggest (on a
-    small model a forward of k + 1 positions costs more than one of 1)."""
+def forward_seconds(model: nnx.Module, forwards: Sequence[tuple[tuple[int, str], int]],
+                    repeats: int = 50, rounds: int = 5) -> list[float]:
+    """Seconds of one compiled cached forward for each (solve, positions) of ``forwards``
+    (a draft's step: 1 position; a verifier's round: k + 1; plain decoding: 1): the best
+    of ``rounds`` timings of ``repeats`` calls, the forwards taken in turn each round so a
+    slow spell of the host hits them alike. What a round costs here, not what its NFE
+    suggest (on a small model a forward of k + 1 positions costs more than one of 1)."""
     import time
 
     config = model.config
-    weights, dt, solver = stage_weights(model, *solve)
-    m, st = jax.tree.leaves(weights)[0].shape[:2]
     t_max = min(config.max_seq_len, 128)
-    cache = init_cache(config, m, st, 1, t_max)
     key_valid = jnp.ones((1, t_max), bool)
-    at = t_max // 2 - positions
+    calls = []
+    for solve, positions in forwards:
+        weights, dt, solver = stage_weights(model, *solve)
+        m, st = jax.tree.leaves(weights)[0].shape[:2]
+        at = t_max // 2 - positions
 
-    @jax.jit
-    def forward(weights, cache, tokens, pos):
-        x, cache = solve_cached(config, weights, dt, solver, model.embed(tokens, pos), pos, at,
-                                cache, key_valid)
-        return jnp.argmax(model.logits(x), axis=-1), cache
+        @functools.partial(jax.jit, static_argnames=("at",))
+        def forward(weights, cache, tokens, pos, *, at, dt=dt, solver=solver):
+            x, cache = solve_cached(config, weights, dt, solver, model.embed(tokens, pos), pos,
+                                    at, cache, key_valid)
+            return jnp.argmax(model.logits(x), axis=-1), cache
 
-    tokens = jnp.zeros((1, positions), jnp.int32)
-    pos = (at + jnp.arange(positions, dtype=jnp.int32))[None]
-    jax.block_until_ready(forward(weights, cache, tokens, pos))
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            out = forward(weights, cache, tokens, pos)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / repeats)
+        args = (weights, init_cache(config, m, st, 1, t_max),
+                jnp.zeros((1, positions), jnp.int32),
+                (at + jnp.arange(positions, dtype=jnp.int32))[None])
+        jax.block_until_ready(forward(*args, at=at))
+        calls.append(functools.partial(forward, *args, at=at))
+    best = [float("inf")] * len(calls)
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                out = call()
+            jax.block_until_ready(out)
+            best[i] = min(best[i], (time.perf_counter() - t0) / repeats)
     return best
 
 
@@ -370,10 +386,13 @@ def auto_draft(model: nnx.Module, data_config, verify: tuple[int, str],
             same[n] += float(((guess == target) & mask).sum())
         count += float(mask.sum())
     agreement = {n: same[n] / max(count, 1.0) for n in AUTO_DRAFT_STEPS}
-    draft_cost = {n: (forward_seconds(model, (n, "euler"), 1),
-                      forward_seconds(model, (n, "euler"), 2)) for n in AUTO_DRAFT_STEPS}
-    verify_cost = {k: forward_seconds(model, verify, k + 1) for k in AUTO_DRAFT_TOKENS}
-    plain_cost = forward_seconds(model, verify, 1)
+    drafts = [((n, "euler"), p) for n in AUTO_DRAFT_STEPS for p in (1, 2)]
+    verifies = [(verify, k + 1) for k in AUTO_DRAFT_TOKENS]
+    seconds = forward_seconds(model, [(verify, 1), *drafts, *verifies])
+    plain_cost, seconds = seconds[0], seconds[1:]
+    draft_cost = {n: (seconds[2 * i], seconds[2 * i + 1])
+                  for i, n in enumerate(AUTO_DRAFT_STEPS)}
+    verify_cost = dict(zip(AUTO_DRAFT_TOKENS, seconds[len(drafts):], strict=True))
     return choose_draft(agreement, draft_cost, verify_cost, plain_cost)
 
 
@@ -384,4 +403,4 @@ def choose_draft(agreement: dict[int, float], draft_cost: dict[int, tuple[float,
     best = max((predicted_speedup(agreement[n], k, draft_cost[n], verify_cost[k], plain_cost),
                 n, k) for n in agreement for k in verify_cost)
     draft = (best[1], "euler") if best[0] > 1.0 else None
-    return DraftChoice(draft, best[2], agreement, best[0])
+    return DraftChoice(draft, best[2], agreement, best[0], draft_cost, verify_cost, plain_cost)

@@ -9,6 +9,7 @@ date, machine: ``ode_lm.provenance``):
     depth_*      ode-lm depth-gap table NAME=DIR ... --json=FILE
     recipe_cost  ode-lm bench --config tiny --sections=recipe --json=FILE
     claims_*     ode-lm reproduce ... --json=FILE
+    speculative_* ode-lm sample --draft=... --draft_tokens=k,... --json=FILE
 
     python tools/doc_tables.py --write                 # rewrite every page from the JSON
     python tools/doc_tables.py --check                 # exit 1 naming each page and table
@@ -97,9 +98,25 @@ def render_claims(data: dict) -> str:
     return format_table(data)
 
 
+def render_speculative(data: dict) -> str:
+    """``ode-lm sample --draft=... --draft_tokens=k,... --json``: one row per k."""
+    rows = sorted(data["rows"], key=lambda r: r["draft_tokens"])
+    d, v = rows[0]["draft"], rows[0]["verify"]
+    lines = [f"| k (draft {d[1]}:{d[0]}, verify {v[1]}:{v[0]}) | accepted | tokens/verify | "
+             "tokens/s | plain tokens/s | speed-up | output |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        same = "identical" if r["identical"] else "differs"
+        lines.append(f"| {r['draft_tokens']} | {100 * r['acceptance']:.0f} % | "
+                     f"{r['tokens_per_verify']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['plain_tokens_per_s']:,.0f} | {r['speedup']:.2f}x | {same} |")
+    return "\n".join(lines)
+
+
 def renderer(name: str) -> Callable[[dict], str]:
     """Which command's JSON a table name holds: ``demo_*`` a train summary, ``depth_*`` a
-    depth-gap table, ``recipe_cost`` a bench, ``claims_*`` a reproduce suite."""
+    depth-gap table, ``recipe_cost`` a bench, ``claims_*`` a reproduce suite,
+    ``speculative_*`` a self-speculative ``sample``."""
     if name.startswith("demo_"):
         return render_demo
     if name.startswith("depth_"):
@@ -108,6 +125,8 @@ def renderer(name: str) -> Callable[[dict], str]:
         return render_recipe_cost
     if name.startswith("claims_"):
         return render_claims
+    if name.startswith("speculative_"):
+        return render_speculative
     raise KeyError(f"no renderer for table {name!r}")
 
 

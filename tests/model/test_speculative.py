@@ -145,11 +145,16 @@ def test_auto_picks_the_fastest_draft_or_plain_decoding():
         predicted_speedup(a, k, cheap[n], verify[k], 1.0)
         for n, a in {1: 0.2, 2: 0.9}.items() for k in verify))
     assert "euler:2 x" in good.text()
+    assert good.text().splitlines()[1] == (
+        "--draft=auto: a forward, ms (compiled): the verifier at 1 position 1000.00, at k + 1 "
+        "= 3: 1200.00, 4: 1300.00, 5: 1400.00, 6: 1500.00, 7: 1600.00, 8: 1700.00, 9: 1800.00; "
+        "an Euler draft step N=1: 100.00, N=2: 200.00")
     hopeless = choose_draft({1: 0.0, 2: 0.1}, cheap, verify, 1.0)  # drafts always rejected
     assert hopeless.draft is None and hopeless.speedup < 1.0
     assert hopeless.text().startswith("--draft=auto: plain decoding (no draft predicted faster")
 
 
 def test_forward_seconds_times_a_compiled_forward(model):
-    one = forward_seconds(model, (2, "euler"), 1, repeats=2)
-    assert 0.0 < one < 60.0
+    seconds = forward_seconds(model, [((2, "euler"), 1), ((4, "euler"), 3)], repeats=2,
+                              rounds=1)
+    assert len(seconds) == 2 and all(0.0 < s < 60.0 for s in seconds)
