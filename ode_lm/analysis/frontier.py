@@ -119,7 +119,7 @@ def plot_frontier(points: Sequence[dict[str, Any]], path) -> pathlib.Path:
                 for p in pts if solver == "euler" else ():  # N, to compare with L
                     ax.annotate(f"N={p['num_steps']}", (p[key], p["perplexity"]),
                                 textcoords="offset points", xytext=(4, -10), fontsize=6,
-                                color=SOLVER_COLORS[solver])
+                                color=SOLVER_COLORS.get(solver))
         base = sorted((p for p in points if p["kind"] == "baseline"), key=lambda p: p["layers"])
         if base:
             ax.plot([p[key] for p in base], [p["perplexity"] for p in base], "k--*", ms=11,

@@ -19,12 +19,10 @@ from ode_lm.config_types import (
     require_one_of,
     require_positive,
 )
+from ode_lm.models.tableaus import ADAPTIVE_SOLVERS, SOLVERS  # noqa: F401  (the names' home)
 
 FLAVOURS = ("gpt2", "llama", "neox")
 ARCHITECTURES = ("ode", "sequential", "parallel")
-SOLVERS = ("euler", "midpoint", "rk4")  # fixed grid: training and evaluation
-# embedded pairs with step-size control (evaluation, analysis, generation); adaptive = bosh3
-ADAPTIVE_SOLVERS = ("adaptive", "bosh3", "dopri5")
 DTYPES = ("float32", "bfloat16")
 REMAT = ("none", "full", "dots_saveable")
 WEIGHT_GENERATION = ("auto", "in_scan", "precompute")

@@ -2,7 +2,7 @@
 
 One RK step (``rk_step``) serves every caller: the fixed-grid ``solve`` (a ``lax.scan``),
 the adaptive ``solve_adaptive`` (a ``lax.while_loop``), the KV-cached generation and the
-Lyapunov step and tangent map. Adding a solver is one ``TABLEAUS`` entry.
+Lyapunov step and tangent map. Adding a solver is one ``tableaus.TABLEAUS`` entry.
 
 Fixed grid (``FixedGrid``, its one owner): t_k = t0 + k·dt, dt = (t1 − t0)/N.
 - ``euler`` (the paper): x_{k+1} = x_k + dt·f(x_k, t_{k+1}) — the vector field is evaluated
@@ -22,55 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ode_lm.models.common import remat_policy
-from ode_lm.models.config import ADAPTIVE_SOLVERS, SOLVERS
-
-
-@dataclasses.dataclass(frozen=True)
-class Tableau:
-    """c: stage times as fractions of dt; a: the strictly lower-triangular stage
-    coefficients (row i has i entries); b: solution weights; b_low: the embedded
-    lower-order weights (adaptive pairs); order: order of b; fsal: last stage = f(x_new)."""
-
-    c: tuple[float, ...]
-    a: tuple[tuple[float, ...], ...]
-    b: tuple[float, ...]
-    order: int
-    b_low: tuple[float, ...] | None = None
-    fsal: bool = False
-
-    @property
-    def stages(self) -> int:
-        return len(self.c)
-
-    def grid_offset(self, u: Any, dt: Any) -> Any:
-        """The random grid offset for a draw u ∈ [0, dt), added to every stage time: a
-        tableau that evaluates only at the step's end (c = (1,): Euler, as the paper) shifts
-        back, t_{k+1} − u ∈ [t_k, t_{k+1}); one with stages inside the step is centred on
-        its grid, u − dt/2."""
-        return -u if all(c == 1.0 for c in self.c) else u - dt / 2
-
-
-TABLEAUS: dict[str, Tableau] = {
-    "euler": Tableau(c=(1.0,), a=((),), b=(1.0,), order=1),
-    "midpoint": Tableau(c=(0.0, 0.5), a=((), (0.5,)), b=(0.0, 1.0), order=2),
-    "rk4": Tableau(c=(0.0, 0.5, 0.5, 1.0), a=((), (0.5,), (0.0, 0.5), (0.0, 0.0, 1.0)),
-                   b=(1 / 6, 1 / 3, 1 / 3, 1 / 6), order=4),
-    "bosh3": Tableau(
-        c=(0.0, 0.5, 0.75, 1.0),
-        a=((), (0.5,), (0.0, 0.75), (2 / 9, 1 / 3, 4 / 9)),
-        b=(2 / 9, 1 / 3, 4 / 9, 0.0), b_low=(7 / 24, 1 / 4, 1 / 3, 1 / 8), order=3, fsal=True),
-    "dopri5": Tableau(
-        c=(0.0, 1 / 5, 3 / 10, 4 / 5, 8 / 9, 1.0, 1.0),
-        a=((), (1 / 5,), (3 / 40, 9 / 40), (44 / 45, -56 / 15, 32 / 9),
-           (19372 / 6561, -25360 / 2187, 64448 / 6561, -212 / 729),
-           (9017 / 3168, -355 / 33, 46732 / 5247, 49 / 176, -5103 / 18656),
-           (35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84)),
-        b=(35 / 384, 0.0, 500 / 1113, 125 / 192, -2187 / 6784, 11 / 84, 0.0),
-        b_low=(5179 / 57600, 0.0, 7571 / 16695, 393 / 640, -92097 / 339200, 187 / 2100,
-               1 / 40),
-        order=5, fsal=True),
-}
-ALIASES = {"adaptive": "bosh3"}
+from ode_lm.models.tableaus import ADAPTIVE_SOLVERS, ALIASES, SOLVERS, TABLEAUS, Tableau
 
 
 def tableau(solver: str) -> Tableau:
