@@ -30,7 +30,7 @@ from gin import config_parser
 from ode_lm import compat
 from ode_lm.data.config import DataConfig
 from ode_lm.distributed import DistributedConfig
-from ode_lm.errors import UsageError
+from ode_lm.errors import SettingError, UsageError
 from ode_lm.finetune import FinetuneConfig, run_finetune
 from ode_lm.harness.run import LmEval
 from ode_lm.models.config import ModelConfig
@@ -187,7 +187,7 @@ def check_one_binding(entry: str, knobs: Sequence[str] = ("model_dir", "num_trai
             value = gin.query_parameter(f"TrainConfig.{knob}")
         except ValueError:  # not bound: the one name is used
             continue
-        raise ValueError(f"TrainConfig.{knob} = {value!r} is bound, but {entry}.{knob} sets "
+        raise SettingError(f"TrainConfig.{knob} = {value!r} is bound, but {entry}.{knob} sets "
                          f"it: bind {entry}.{knob} (the configs' macro) only")
 
 

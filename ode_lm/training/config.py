@@ -101,22 +101,24 @@ class MeshConfig:
 
 def validate(model: ModelConfig, data: Any, step_cfg: Any, mesh, rules) -> None:
     """Configuration errors that would otherwise surface deep inside compilation; the batch
-    split is the run's (``rules`` with its MeshConfig.rule_overrides), not the default one."""
+    split is the run's (``rules`` with its MeshConfig.rule_overrides), not the default one.
+    Settings of two configs that do not fit together: ``SettingError``, exit 2 like a
+    refusal of one class's field."""
     shards = partitioning.batch_shards(mesh, rules)
     axes = partitioning.logical_to_mesh(("activation_batch",), rules)[0]
     batch = data.global_batch_size
     if batch % shards:
-        raise ValueError(
+        raise SettingError(
             f"DataConfig.global_batch_size={batch} is not divisible by the {shards} batch "
             f"shards (activation_batch -> {axes} on mesh {dict(mesh.shape)})"
         )
     if batch % (shards * step_cfg.microbatches):
-        raise ValueError(
+        raise SettingError(
             f"DataConfig.global_batch_size={batch} is not divisible by batch shards x "
             f"StepConfig.microbatches = {shards * step_cfg.microbatches}"
         )
     if data.seq_len > model.max_seq_len:
-        raise ValueError(
+        raise SettingError(
             f"DataConfig.seq_len={data.seq_len} exceeds the model's positions "
             f"ModelConfig.max_seq_len={model.max_seq_len}"
         )

@@ -124,6 +124,9 @@ BAD_INPUTS = {
 }
 
 
+CROSS_CONFIG = {"batch not divisible", "sequence too long"}  # two configs' settings
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_one_line_error_and_model_dir_untouched(case, workdir, reference, capsys):
     from ode_lm.commands.train import main
@@ -135,6 +138,8 @@ def test_bad_input_one_line_error_and_model_dir_untouched(case, workdir, referen
     rc = main([f"--gin_file={gin_file}", *extra])
     err = capsys.readouterr().err.strip()
     assert rc != 0
+    if case in CROSS_CONFIG:  # settings that do not fit together: refused like one field
+        assert rc == 2, (rc, err)
     assert len(err.splitlines()) == 1, err
     assert err.startswith("ode-lm-train: error:") and expected in err, err
     assert snapshot(reference) == before
