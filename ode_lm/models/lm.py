@@ -16,6 +16,7 @@ The ODE state x stays float32 (the solver accumulates dt·f into it); the branch
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -75,39 +76,37 @@ class DiffEqFormer(LanguageModel):
         solver: str | None = None,
         max_steps: int | None = None,
         rngs: nnx.Rngs | None = None,
-        acceleration: bool = False,
         grid_offset: bool | None = None,
+        integrate: tuple[str, ...] = (),
     ) -> tuple[jax.Array, Stats]:
-        """(x_N, {"nfe", "kinetic_energy"}) of N steps x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_i).
+        """(x_N, {"nfe"}) of N steps x_{k+1} = x_k + dt·Σ_i b_i·f(X_i, t_i).
 
         ``num_steps`` is an int, or a traced int32 with a static ``max_steps`` bound (random
         step counts in training: one compiled program for every N). ``rngs`` (training) draw
-        the random grid offset and dropout; None is the deterministic solve. The kinetic
-        energy ∫ mean(f²) dt (Finlay et al. 2020) is integrated beside x by the same solver at
-        no extra evaluation, kept per sequence ([B], sharded like the batch, so the step holds
-        no cross-device reduction) and averaged over the batch after the solve. With
-        ``acceleration`` the stats also hold ∫ mean‖d²x/dt²‖² dt (Kelly et al. 2020) from
-        the second differences of the solve's own steps, again at no extra evaluation.
+        the random grid offset and dropout; None is the deterministic solve.
         ``grid_offset`` (None: ``ModelConfig.random_grid_offset``) draws the random grid
-        offset when ``rngs`` are given.
+        offset when ``rngs`` are given. ``integrate=("kinetic_energy",)`` (asked for by the
+        term that uses it) also integrates ∫ mean(f²) dt (Finlay et al. 2020) beside x by the
+        same solver at no extra evaluation, kept per sequence ([B], sharded like the batch,
+        so the step holds no cross-device reduction) and averaged over the batch after the
+        solve: ``stats["kinetic_energy"]``.
         """
         grid, solver = self._fixed_grid(num_steps, solver, max_steps)
         f, step_inputs, offset = self._grid_field(positions, segment_ids, grid, solver, rngs,
                                                   grid_offset)
+        stats = {"nfe": _fixed_nfe(grid, solver)}
+        solve = functools.partial(solvers.solve_on_grid, grid=grid, solver=solver,
+                                  time_offset=offset, step_inputs=step_inputs,
+                                  remat=remat_policy(self.config.remat))
+        if "kinetic_energy" not in integrate:
+            return solve(f, x0), stats
 
         def f_and_energy(state, t, *inputs):
             dx = f(state[0], t, *inputs)
             return dx, jnp.mean(jnp.square(dx), axis=(1, 2))
 
-        out = solvers.solve_on_grid(
-            f_and_energy, (x0, jnp.zeros(x0.shape[:1], jnp.float32)), grid, solver=solver,
-            time_offset=offset, step_inputs=step_inputs, remat=remat_policy(self.config.remat),
-            acceleration_of=(lambda state: state[0]) if acceleration else None)
-        (x, energy), accel = out if acceleration else (out, None)
-        stats = {"nfe": _fixed_nfe(grid, solver), "kinetic_energy": jnp.mean(energy)}
-        if acceleration:
-            stats["acceleration"] = jnp.mean(accel)
-        return x, stats
+        x, energy = solve(f_and_energy, (x0, jnp.zeros(x0.shape[:1], jnp.float32)))
+        return x, {**stats, "kinetic_energy": jnp.mean(energy)}
 
     def solve_adaptive(
         self,
@@ -184,8 +183,8 @@ class DiffEqFormer(LanguageModel):
             x, stats = self.solve_fixed(x0, positions, segment_ids, num_steps=solve.num_steps,
                                         solver=solver, max_steps=solve.max_steps,
                                         rngs=self._training_rngs(deterministic, rngs),
-                                        acceleration="acceleration" in solve.integrate,
-                                        grid_offset=solve.grid_offset)
+                                        grid_offset=solve.grid_offset,
+                                        integrate=solve.integrate)
         return (x, stats) if return_stats else x
 
     # ---- the fixed grid -----------------------------------------------------------------------

@@ -23,9 +23,9 @@ from typing import Any
 from ode_lm.models.config import ADAPTIVE_SOLVERS, SOLVERS
 
 SOLVE_FORMS = "'<solver>:steps=<N>', '<adaptive solver>:rtol=<r>' or 'steps=<N>'"
-# integrated beside x by a fixed-grid solve at no extra evaluation (the kinetic energy
-# ∫ mean‖f‖² dt always is): the second differences of its own steps, ∫ mean‖d²x/dt²‖² dt
-INTEGRALS = ("acceleration",)
+# integrated beside x by a fixed-grid solve at no extra evaluation, when a term asks:
+# the kinetic energy ∫ mean‖f(x, t)‖² dt
+INTEGRALS = ("kinetic_energy",)
 
 
 def is_adaptive(solver: str | None) -> bool:

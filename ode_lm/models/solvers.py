@@ -159,12 +159,11 @@ def solve_on_grid(
     time_offset: jax.Array | float = 0.0,
     step_inputs: Any = None,
     return_trajectory: bool = False,
-    acceleration_of: Callable[[Any], jax.Array] | None = None,
     remat: str | Callable | None = None,
     unroll: int = 1,
 ):
     """Integrate dx/dt = f(x, t) over the grid: x_{k+1} = rk_step(x_k, t_k); returns x_N
-    (and the [N+1, ...] trajectory, or the acceleration).
+    (and the [N+1, ...] trajectory).
 
     vector_field: ``(x, t) -> dx``; when ``step_inputs`` (a pytree with leading axis
       ``grid.length``) is given it is called as ``(x, t, step_input_k, stage)``, which lets
@@ -173,14 +172,9 @@ def solve_on_grid(
     remat: None (no checkpoint), a ``ModelConfig.remat`` name ('none' keeps every named
       activation, 'dots_saveable' the matmul outputs, 'full' only the state; see
       ``common.remat_policy``) or a jax checkpoint policy, applied to each step.
-    acceleration_of: picks an array [B, ...] of the state; the solve then also returns
-      ∫ mean‖d²y/dt²‖² dt per row [B] of that array y, from the second differences of its own
-      steps, Σ_k mean(Δy_k − Δy_{k−1})² / dt³ (no further evaluation of f).
     """
     check_solver(solver)
     tab = tableau(solver)
-    if acceleration_of is not None and return_trajectory:
-        raise ValueError("solve_on_grid: acceleration_of and return_trajectory are exclusive")
 
     def step(x, xs):
         k, inp = xs
@@ -196,24 +190,10 @@ def solve_on_grid(
                  else advance(x))
         return x_new, (x_new if return_trajectory else None)
 
-    def step_and_acceleration(carry, xs):
-        x, dy_prev, acc = carry
-        x_new, _ = step(x, xs)
-        dy = acceleration_of(x_new) - acceleration_of(x)
-        second = jnp.mean(jnp.square(dy - dy_prev), axis=tuple(range(1, dy.ndim)))
-        counted = (xs[0] >= 1) & (xs[0] < grid.num_steps)
-        return (x_new, dy, acc + jnp.where(counted, second, 0.0)), None
-
     policy = _policy(remat)
     if policy is not None:
         step = jax.checkpoint(step, policy=policy)
     ks = jnp.arange(grid.length, dtype=jnp.int32)
-    if acceleration_of is not None:
-        y0 = acceleration_of(x0)
-        carry = (x0, jnp.zeros_like(y0), jnp.zeros(y0.shape[:1], jnp.float32))
-        (x_final, _, acc), _ = jax.lax.scan(step_and_acceleration, carry, (ks, step_inputs),
-                                            unroll=unroll)
-        return x_final, acc / jnp.asarray(grid.dt, jnp.float32) ** 3
     x_final, traj = jax.lax.scan(step, x0, (ks, step_inputs), unroll=unroll)
     if not return_trajectory:
         return x_final

@@ -64,7 +64,6 @@ _TRAIN_FIELDS = dict(
     learning_rate=clu_metrics.LastValue.from_output("learning_rate"),
     skipped_steps=clu_metrics.LastValue.from_output("skipped_steps"),
     num_steps=clu_metrics.Average.from_output("num_steps"),
-    kinetic_energy=clu_metrics.Average.from_output("kinetic_energy"),
 )
 TRAIN_METRIC_KEYS = tuple(_TRAIN_FIELDS)
 # Every other output of a step is averaged over the steps that output it: the objective's

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from ode_lm.config_types import (
     check_types,
@@ -211,31 +210,16 @@ class KineticEnergy(Term):
         frac = jnp.minimum(step.astype(jnp.float32) / self.ramp_steps, 1.0)
         return w0 + (jnp.float32(self.final) - w0) * frac
 
-    def loss(self, inputs, choice):
-        w = self.weight_at(inputs.step)
-        metrics = {"kinetic_energy_weight": w} if self.final is not None else {}
-        return w * inputs.stats["kinetic_energy"] / inputs.microbatches, metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class Acceleration(Term):
-    """λ·∫ mean‖d²x/dt²‖² dt, the second-order regulariser of Kelly et al. (2020), from the
-    second differences of the main solve's own steps (no further evaluation of f): a
-    trajectory with little curvature is one that Euler's coarse grids and the exact flow
-    (RK4, adaptive) integrate alike. λ is ``weight``."""
-
-    weight: float = 0.1
-    name: ClassVar[str] = "acceleration"
-
-    def __post_init__(self):
-        check_types(self)
-        require_at_least(self, 0.0, "weight")
-
     def main_solve(self, solve, choice, key):
-        return solve.replace(integrate=(*solve.integrate, "acceleration"))
+        return solve.replace(integrate=(*solve.integrate, "kinetic_energy"))
 
-    def loss(self, inputs, choice):  # a discrete model refuses the solve (no second differences)
-        return self.weight * inputs.stats["acceleration"] / inputs.microbatches, {}
+    def loss(self, inputs, choice):  # a discrete model refuses the solve (no integral)
+        w = self.weight_at(inputs.step)
+        energy = inputs.stats["kinetic_energy"]
+        metrics = {"kinetic_energy": energy}
+        if self.final is not None:
+            metrics["kinetic_energy_weight"] = w
+        return w * energy / inputs.microbatches, metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,9 +315,6 @@ class SolverShare(Term):
         return jnp.zeros(()), {"solver_share": jnp.float32(bool(choice))}
 
 
-SOLVER_LOSS_STREAM = 0x534F4C56  # the second solve's grid offset ("SOLV")
-
-
 @dataclasses.dataclass(frozen=True)
 class _SecondSolve(Term):
     """On a drawn ``share`` of the steps, a second solve of the same batch with ``solver``
@@ -371,23 +352,6 @@ class _SecondSolve(Term):
         return inputs.forward(Solve(self.solver, self.num_steps), key)
 
 
-@dataclasses.dataclass(frozen=True)
-class SolverLoss(_SecondSolve):
-    """The second solve's data loss, ``weight``·CE: the exact flow is trained beside Euler's
-    grid, and unlike ``SolverShare`` the main solve keeps every step."""
-
-    name: ClassVar[str] = "solver_loss"
-
-    def loss(self, inputs, choice):
-        if not choice:
-            return jnp.zeros(()), {}
-        rows = self._rows(inputs)
-        logits = self._second_solve(rows, SOLVER_LOSS_STREAM)
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, rows.batch["targets"])
-        ce = jnp.sum(ce * rows.mask()) / rows.num_tokens
-        return self.weight * ce, {"solver_loss": ce * inputs.microbatches}
-
-
 SOLVER_DISTILL_STREAM = 0x53444953  # the exact solve's grid offset ("SDIS")
 
 
@@ -408,8 +372,8 @@ class SolverDistillation(_SecondSolve):
         return self.weight * kl, {"solver_distill_loss": kl * inputs.microbatches}
 
 
-TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Acceleration, Distillation,
-                                 SolverShare, SolverLoss, SolverDistillation)
+TERMS: tuple[type[Term], ...] = (RandomSteps, KineticEnergy, Distillation, SolverShare,
+                                 SolverDistillation)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -229,13 +229,12 @@ def _forward(spec, params, stochastic, batch, solve, key):
 
 
 def _solve_loss(spec, params, mb, solve, mb_key, stochastic):
-    """(loss sum, stats with NFE and kinetic energy, logits) of the step's main solve."""
+    """(loss sum, stats: NFE and what the solve integrated, logits) of the step's main
+    solve."""
     total, _, stats = _token_loss(spec, params, mb, solve=solve,
                                   dropout_key=mb_key if stochastic else None)
-    return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32),
-                   "kinetic_energy": stats.get("kinetic_energy", jnp.zeros(())),
-                   **({"acceleration": stats["acceleration"]} if "acceleration" in stats else {})
-                   }, stats["logits"]
+    integrals = {name: stats[name] for name in solve.integrate}
+    return total, {"nfe": jnp.asarray(stats["nfe"], jnp.int32), **integrals}, stats["logits"]
 
 
 def _steps_metric(spec: StateSpec, params: Any, num_steps: Any, nfe: jax.Array) -> jax.Array:

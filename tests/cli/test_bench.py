@@ -334,11 +334,13 @@ def test_recipe_section_times_a_recipe_file_of_ones_own(tmp_path):
     from ode_lm.models import ModelConfig
 
     mine = tmp_path / "mine.gin"
-    mine.write_text("include 'recipes/depth_robust.gin'\nAcceleration.weight = 0.5\n"
-                    "StepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Acceleration()]\n")
+    mine.write_text("include 'recipes/depth_robust.gin'\nSolverDistillation.weight = 0.5\n"
+                    "StepConfig.terms = [@RandomSteps(), @KineticEnergy(), "
+                    "@SolverDistillation()]\n")
     args = bench.parse_args(["--sections=recipe", f"--recipes=depth_robust,{mine}"])
     assert args.recipes == ["depth_robust", str(mine)]
     base = ModelConfig(vocab_size=64, d_model=32, num_heads=2, max_seq_len=16)
     model, step = bench.recipe_configs(str(mine), base)
     assert model.time_scale == 4.0
-    assert [(t.name, getattr(t, "weight", None)) for t in step.terms][-1] == ("acceleration", 0.5)
+    last = step.terms[-1]
+    assert (last.name, last.weight) == ("solver_distillation", 0.5)

@@ -71,8 +71,8 @@ RECIPES = {"paper": (1000.0, 10000.0, False, (), 0.0, ()),
            "default": (4.0, 100.0, True, (4, 5, 6, 7, 8), 2.0,
                        (*ROBUST_TERMS, "distillation", "solver_share"))}
 RECIPE_MODEL_KNOBS = ("time_scale", "time_max_period", "random_grid_offset")
-TERM_CLASSES = ("RandomSteps", "KineticEnergy", "Acceleration", "Distillation", "SolverShare",
-                "SolverLoss", "SolverDistillation")
+TERM_CLASSES = ("RandomSteps", "KineticEnergy", "Distillation", "SolverShare",
+                "SolverDistillation")
 
 
 def _terms(step) -> dict:

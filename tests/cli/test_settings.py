@@ -25,12 +25,10 @@ from ode_lm.models.config import ModelConfig
 from ode_lm.training.checkpoint import CheckpointConfig
 from ode_lm.training.config import MeshConfig, TrainConfig
 from ode_lm.training.objective import (
-    Acceleration,
     Distillation,
     KineticEnergy,
     RandomSteps,
     SolverDistillation,
-    SolverLoss,
     SolverShare,
 )
 from ode_lm.training.optim import OptimizerConfig
@@ -93,19 +91,16 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
     },
     RandomSteps: {"choices": "(0, 2)", "weights": "(1.0,)"},
     KineticEnergy: {"weight": "-1.0", "final": "-1.0", "ramp_steps": "-1"},
-    Acceleration: {"weight": "-1.0"},
     Distillation: {"weight": "0.0", "num_steps": "(0,)", "share": "0.0", "row_stride": "0",
                    "block_steps": "0"},
     SolverShare: {"share": "1.5", "solver": "'rk5'", "num_steps": "0", "final": "1.5",
                   "ramp_steps": "-1", "block_steps": "0"},
-    SolverLoss: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0",
-                 "row_stride": "0", "block_steps": "0"},
     SolverDistillation: {"weight": "0.0", "share": "0.0", "solver": "'rk5'", "num_steps": "0",
                          "row_stride": "0", "block_steps": "0"},
 }
 # every term listed, so each term class is built from its bindings
-TERMS_GIN = ("\nStepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Acceleration(), "
-             "@Distillation(), @SolverShare(), @SolverLoss(), @SolverDistillation()]\n")
+TERMS_GIN = ("\nStepConfig.terms = [@RandomSteps(), @KineticEnergy(), @Distillation(), "
+             "@SolverShare(), @SolverDistillation()]\n")
 # fields the configs set through a macro (gin refuses a second name for them)
 MACROS = {(TrainConfig, "model_dir"): "MODEL_DIR", (TrainConfig, "num_train_steps"): "TRAIN_STEPS"}
 CASES = [(cls, field) for cls, fields in BAD.items() for field in fields]

@@ -61,39 +61,6 @@ def test_traced_num_steps_matches_static(solver):
         np.testing.assert_allclose(fn(jnp.int32(n)), static, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("solver", SOLVERS)
-def test_acceleration_is_the_second_difference_of_the_solves_own_steps(solver):
-    """dx/dt = 3t²·c (x = t³·c, x'' = 6t·c): the solve's steps y_k are exact for RK4 and
-    nearly so for the others, and the statistic is Σ_k mean(Δy_k − Δy_{k−1})² / dt³ over the
-    interior steps, per row; a traced N gives the same value as the static one."""
-    c = jnp.asarray([[1.0, -2.0], [0.5, 0.0]], jnp.float32)
-
-    def field(x, t):
-        return 3.0 * t * t * c
-
-    for n in (1, 2, 5):
-        x, acc = solvers.solve(field, jnp.zeros_like(c), num_steps=n, solver=solver,
-                               acceleration_of=lambda y: y)
-        traj = np.asarray(solvers.solve(field, jnp.zeros_like(c), num_steps=n, solver=solver,
-                                        return_trajectory=True)[1], np.float64)
-        d = np.diff(traj, axis=0)
-        expected = (np.sum(np.mean(np.square(np.diff(d, axis=0)), axis=-1), axis=0) * n**3
-                    if n > 1 else np.zeros(2))
-        np.testing.assert_allclose(acc, expected, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(x, traj[-1], rtol=1e-6)
-        traced = jax.jit(lambda m: solvers.solve(field, jnp.zeros_like(c), num_steps=m,
-                                                 solver=solver, max_steps=7,
-                                                 acceleration_of=lambda y: y))(jnp.int32(n))
-        np.testing.assert_allclose(traced[1], acc, rtol=1e-5, atol=1e-6)
-    if solver == "rk4":  # exact steps: Δy_k = dt³·c·(3k² + 3k + 1), Δ²y = 6k·dt³·c
-        k = np.arange(1, 5)
-        exact = np.sum(np.square(6.0 * k)) * 5.0**-3 * np.mean(np.square(np.asarray(c)), -1)
-        np.testing.assert_allclose(acc, exact, rtol=1e-4)
-    with pytest.raises(ValueError, match="exclusive"):
-        solvers.solve(field, c, num_steps=2, acceleration_of=lambda y: y,
-                      return_trajectory=True)
-
-
 def tiny_config(**kw) -> ModelConfig:
     return model_helpers.tiny_config(LIVELY, max_seq_len=16, **kw)
 
@@ -107,8 +74,17 @@ def test_model_traced_steps_and_kinetic_energy():
                                                                             jnp.int32(3))
     # precompute generates 3 vs 5 weight sets (another contraction shape): float32 sums
     np.testing.assert_allclose(traced, static, rtol=1e-5, atol=1e-5)
-    # kinetic energy = Σ_k dt·mean(f(x_k, t_{k+1})²) along the Euler trajectory
-    _, stats = model(tokens, solve=Solve(None, 3), return_stats=True)
+    # kinetic energy = Σ_k dt·mean(f(x_k, t_{k+1})²) along the Euler trajectory, integrated
+    # only when the solve asks for it, beside the same x
+    positions = jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1))
+    segments = jnp.ones((2, 16), jnp.int32)
+    x0 = model.embed(tokens, positions)
+    x_plain, plain = model.body(x0, positions, segments, solve=Solve(None, 3),
+                                return_stats=True)
+    assert "kinetic_energy" not in plain
+    x_energy, stats = model.body(x0, positions, segments, return_stats=True,
+                                 solve=Solve(None, 3, integrate=("kinetic_energy",)))
+    np.testing.assert_array_equal(np.asarray(x_energy), np.asarray(x_plain))
     traj = model.trajectory(tokens, num_steps=3)
     expected = sum(float(jnp.mean(jnp.square(model.vector_field(traj[k], (k + 1) / 3)))) / 3
                    for k in range(3))

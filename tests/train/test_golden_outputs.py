@@ -45,10 +45,8 @@ DEFAULT = (obj.RandomSteps(choices=(2, 3, 4)), obj.KineticEnergy(weight=2.0),
            obj.Distillation(weight=0.5, num_steps=(1, 2), share=0.25, block_steps=4),
            obj.SolverShare(share=0.25, final=0.5, ramp_steps=8, solver="rk4", num_steps=2,
                            block_steps=4))
-# the terms that solve the batch a second time, and the second differences of the main solve
-SECOND_SOLVES = (obj.Acceleration(weight=0.1),
-                 obj.SolverLoss(share=0.5, solver="midpoint", num_steps=2),
-                 obj.SolverDistillation(share=0.5, num_steps=1, row_stride=2))
+# the term that solves the batch a second time, on a share of the steps and rows
+SECOND_SOLVES = (obj.SolverDistillation(share=0.5, num_steps=1, row_stride=2),)
 # (solver, N or rtol): the eval settings after training
 EVALS = (("euler", 2), ("euler", 4), ("rk4", 2), ("midpoint", 3), ("adaptive", 1e-3),
          ("dopri5", 1e-2))

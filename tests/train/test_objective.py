@@ -64,7 +64,7 @@ ANYTIME = (obj.RandomSteps(choices=(1, 2, 4), weights=(3.0, 2.0, 1.0)),
 
 
 @pytest.mark.parametrize("term", [obj.Distillation(share=0.3), obj.SolverShare(share=0.3),
-                                  obj.SolverLoss(share=0.3), obj.SolverDistillation(share=0.3)])
+                                  obj.SolverDistillation(share=0.3)])
 def test_host_draws_are_a_function_of_seed_and_step_at_the_share(term):
     draws = [term.choose(0, s) for s in range(4000)]
     assert draws == [term.choose(0, s) for s in range(4000)]  # a pure function
@@ -88,7 +88,7 @@ def test_a_ramped_share_draws_each_step_at_its_share_and_holds_after_the_ramp():
     assert [term.choose(3, s) for s in range(50)] == [term.choose(3, s) for s in range(50)]
 
 
-@pytest.mark.parametrize("make", [obj.Distillation, obj.SolverShare, obj.SolverLoss,
+@pytest.mark.parametrize("make", [obj.Distillation, obj.SolverShare,
                                   obj.SolverDistillation])
 def test_block_draws_hold_the_share_in_every_block_and_stay_uniform(make):
     iid, blocked = make(share=0.25), make(share=0.25, block_steps=20)
@@ -146,25 +146,20 @@ def test_weighted_in_program_draws_follow_the_weights():
     (lambda: obj.KineticEnergy(weight=-1.0), "KineticEnergy.weight"),
     (lambda: obj.KineticEnergy(final=1.0), "ramp_steps"),
     (lambda: obj.KineticEnergy(final=-1.0, ramp_steps=10), "KineticEnergy.final"),
-    (lambda: obj.Acceleration(weight=-0.5), "Acceleration.weight"),
     (lambda: obj.Distillation(weight=0.0), "Distillation.weight"),
     (lambda: obj.Distillation(num_steps=(0,)), "Distillation.num_steps"),
     (lambda: obj.Distillation(share=0.0), "Distillation.share"),
     (lambda: obj.Distillation(row_stride=0), "Distillation.row_stride"),
     (lambda: obj.Distillation(block_steps=0), "Distillation.block_steps"),
     (lambda: obj.SolverShare(block_steps=0), "SolverShare.block_steps"),
-    (lambda: obj.SolverLoss(block_steps=-1), "SolverLoss.block_steps"),
-    (lambda: obj.SolverLoss(row_stride=0), "SolverLoss.row_stride"),
+    (lambda: obj.SolverDistillation(block_steps=-1), "SolverDistillation.block_steps"),
     (lambda: obj.SolverDistillation(row_stride=0), "SolverDistillation.row_stride"),
     (lambda: obj.SolverShare(share=1.5), "SolverShare.share"),
     (lambda: obj.SolverShare(solver="rk5"), "rk5"),
     (lambda: obj.SolverShare(num_steps=0), "SolverShare.num_steps"),
     (lambda: obj.SolverShare(final=1.5, ramp_steps=10), "SolverShare.final"),
     (lambda: obj.SolverShare(final=0.5), "ramp_steps"),
-    (lambda: obj.SolverLoss(weight=0.0), "SolverLoss.weight"),
-    (lambda: obj.SolverLoss(share=0.0), "SolverLoss.share"),
-    (lambda: obj.SolverLoss(solver="rk5"), "rk5"),
-    (lambda: obj.SolverLoss(num_steps=0), "SolverLoss.num_steps"),
+    (lambda: obj.SolverDistillation(share=0.0), "SolverDistillation.share"),
     (lambda: obj.SolverDistillation(weight=0.0), "SolverDistillation.weight"),
     (lambda: obj.SolverDistillation(share=1.5), "SolverDistillation.share"),
     (lambda: obj.SolverDistillation(solver="rk5"), "rk5"),
@@ -321,39 +316,6 @@ def test_distill_loss_is_the_kl_from_the_main_to_the_coarse_solve():
 
 
 @pytest.mark.slow
-def test_solver_loss_adds_the_second_solves_cross_entropy_to_the_main_one():
-    """With a SolverLoss step the objective is CE(Euler N=3) + w·CE(RK4 N=1): the logged
-    term is the second solve's cross-entropy, the reported loss stays the main solve's, and
-    the gradient is that of the sum."""
-    spec = _spec(tiny_config())
-    w = 1.5
-    config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(3,)),
-                                        obj.SolverLoss(weight=w, share=1.0, num_steps=1)))
-    state = state_lib.init_state(spec, 0)
-    params = state["params"]
-    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-
-    def ce(p, n, solver):
-        logits = spec.model(p)(batch["inputs"], batch["positions"], batch["segment_ids"],
-                               solve=Solve(solver, n))
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits,
-                                                                        batch["targets"]))
-
-    def objective(p):
-        main = ce(p, 3, "euler")
-        return main + w * ce(p, 1, "rk4"), main
-
-    (_, main), grads = jax.value_and_grad(objective, has_aux=True)(params)
-    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
-    with jax.set_mesh(spec.mesh):
-        _, m = fn(state, batch)
-    np.testing.assert_allclose(float(m["solver_loss"]), float(ce(params, 1, "rk4")),
-                               rtol=1e-5)
-    np.testing.assert_allclose(float(m["loss"]), float(main), rtol=1e-6)
-    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
-
-
-@pytest.mark.slow
 def test_solver_distillation_pulls_the_second_solve_to_the_main_one():
     """With a SolverDistillation step the objective is CE(Euler N=3) + w·KL(p_Euler ‖ p_RK4
     N=1), the teacher (the main solve) under stop_gradient: the logged term is that KL, the
@@ -382,64 +344,49 @@ def test_a_row_stride_runs_the_second_solve_on_every_kth_row(term):
 
 def test_a_row_stride_that_does_not_divide_the_microbatch_is_refused_in_one_line():
     spec = _spec(tiny_config())
-    term = obj.SolverLoss(share=1.0, num_steps=1, row_stride=3)
+    term = obj.SolverDistillation(share=1.0, num_steps=1, row_stride=3)
     fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0),
                                           step_lib.StepConfig(terms=(term,))))
     batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
     with jax.set_mesh(spec.mesh), pytest.raises(
-            SettingError, match=r"SolverLoss.row_stride=3: the microbatch has 4 rows"):
+            SettingError,
+            match=r"SolverDistillation.row_stride=3: the microbatch has 4 rows"):
         fn(state_lib.init_state(spec, 0), batch)
 
 
-@pytest.mark.slow
-def test_acceleration_adds_the_second_differences_of_the_main_solve():
-    """With an Acceleration term the objective is CE(Euler N=3) + w·Σ_k mean(Δ²x_k)²/dt³,
-    Δ²x_k the second differences of the main solve's own states: the logged term is that
-    sum of the pre-update params, the reported loss the cross-entropy, the gradient that of
-    the sum, and the step runs no further solve (its FLOPs are the plain step's)."""
+def test_kinetic_energy_is_integrated_and_logged_only_with_its_term():
+    """Without ``KineticEnergy`` the step integrates no energy and logs none; with it the
+    logged value is the main solve's ∫ mean(f²) dt; on a discrete model the term is refused
+    in one line (the solve has no integral)."""
     spec = _spec(tiny_config())
-    w = 3.0
-    config = step_lib.StepConfig(terms=(obj.RandomSteps(choices=(3,)), obj.Acceleration(w)))
-    state = state_lib.init_state(spec, 0)
     batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-
-    def parts(p):
-        model = spec.model(p)
-        states = model.trajectory(batch["inputs"], batch["positions"], batch["segment_ids"],
-                                  num_steps=3)
-        second = jnp.diff(states, n=2, axis=0)  # [N-1, B, T, E]
-        accel = jnp.mean(jnp.sum(jnp.mean(jnp.square(second), axis=(2, 3)), axis=0)) * 27
-        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
-            model.logits(states[-1]), batch["targets"]))
-        return ce + w * accel, (ce, accel)
-
-    (_, (ce, accel)), grads = jax.value_and_grad(parts, has_aux=True)(state["params"])
-    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
+    state = state_lib.init_state(spec, 0)
     plain = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0),
                                              step_lib.StepConfig(num_steps=3)))
+    with_ke = jax.jit(step_lib.make_train_step(
+        spec, optax.constant_schedule(0.0),
+        step_lib.StepConfig(num_steps=3, terms=(obj.KineticEnergy(weight=0.0),))))
     with jax.set_mesh(spec.mesh):
-        _, m = fn(state, batch)
         _, m_plain = plain(state, batch)
-    assert float(accel) > 0
-    np.testing.assert_allclose(float(m["acceleration"]), float(accel), rtol=1e-5)
-    np.testing.assert_allclose(float(m["loss"]), float(ce), rtol=1e-6)
-    np.testing.assert_allclose(float(m["grad_norm"]), float(optax.tree.norm(grads)), rtol=1e-5)
-    assert "acceleration" not in m_plain
-    assert float(m["flops_per_token"]) == float(m_plain["flops_per_token"])
-
-
-def test_acceleration_on_a_discrete_model_is_refused_in_one_line():
-    spec = _spec(tiny_config(architecture="sequential", num_layers=2))
-    config = step_lib.StepConfig(terms=(obj.Acceleration(),))
-    fn = jax.jit(step_lib.make_train_step(spec, optax.constant_schedule(0.0), config))
-    batch = {k: jnp.asarray(v) for k, v in _batch(0).items()}
-    with jax.set_mesh(spec.mesh), pytest.raises(
+        state = state_lib.init_state(spec, 0)
+        _, m = with_ke(state, batch)
+    assert "kinetic_energy" not in m_plain
+    _, stats = spec.model(state["params"]).body(
+        spec.model(state["params"]).embed(batch["inputs"], batch["positions"]),
+        batch["positions"], batch["segment_ids"], return_stats=True,
+        solve=Solve(None, 3, integrate=("kinetic_energy",)))
+    np.testing.assert_allclose(float(m["kinetic_energy"]), float(stats["kinetic_energy"]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(m["loss"]), float(m_plain["loss"]), rtol=1e-6)
+    discrete = _spec(tiny_config(architecture="sequential", num_layers=2))
+    fn = jax.jit(step_lib.make_train_step(discrete, optax.constant_schedule(0.0),
+                                          step_lib.StepConfig(terms=(obj.KineticEnergy(),))))
+    with jax.set_mesh(discrete.mesh), pytest.raises(
             ValueError, match=r"^SequentialLM: cannot run the solve "
-            r"Solve\(integrate=\('acceleration',\)\): a discrete model runs its 2 layers"):
-        fn(state_lib.init_state(spec, 0), batch)
+            r"Solve\(integrate=\('kinetic_energy',\)\): a discrete model runs its 2 layers"):
+        fn(state_lib.init_state(discrete, 0), batch)
 
 
-@pytest.mark.slow
 def test_kinetic_energy_ramp_weights_the_step_as_a_constant_weight_would():
     """At step s the ramped step takes the update of a constant-weight step at
     λ(s) = λ0 + (λ1 − λ0)·min(s / ramp, 1), and logs λ(s)."""
@@ -477,7 +424,6 @@ def test_a_steps_flops_count_its_solvers_evaluations_and_reach_mfu():
     cases = [((), count(None, None)),  # the model's own N and solver
              ((obj.SolverShare(share=1.0, solver="rk4", num_steps=2),), count(2, "rk4")),
              ((obj.Distillation(num_steps=(1,)),), count(None, None) + count(1, "euler")),
-             ((obj.SolverLoss(share=1.0, num_steps=2),), count(None, None) + count(2, "rk4")),
              ((obj.SolverDistillation(share=1.0, num_steps=2),),
               count(None, None) + count(2, "rk4")),
              ((obj.SolverDistillation(share=1.0, num_steps=2, row_stride=2),),  # half the rows
