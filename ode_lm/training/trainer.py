@@ -14,6 +14,7 @@ export reuse the same pieces.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -238,6 +239,9 @@ class Trainer:
         info = StepInfo(start, cfg.num_train_steps, state, None, data_iterator)
         try:
             with hooks, jax.set_mesh(self.mesh):
+                first = next(batches)  # every variant compiled before the first step
+                self._report_compile(train_step.compile_all(state, first))
+                batches = itertools.chain([first], batches)
                 while not info.last:
                     state, outputs = train_step(state, next(batches), info.step)
                     info = StepInfo(info.step + 1, cfg.num_train_steps, state, outputs,
@@ -262,6 +266,14 @@ class Trainer:
                        "checkpoint saved")
         self._write_result(result)
         return result
+
+    def _report_compile(self, seconds: dict[tuple, float]) -> None:
+        """One line: the step's programs compiled before the first step, seconds each."""
+        if not seconds:
+            return
+        each = ", ".join(f"{s:.1f}" for s in seconds.values())
+        self.print(f"compiled {len(seconds)} step program{'s' if len(seconds) > 1 else ''} "
+                   f"before the first step: {each} s")
 
     def _final_eval_missing(self, step: int) -> bool:
         """Whether a run at its last step logged no eval there: its final eval was stopped

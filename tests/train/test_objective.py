@@ -528,3 +528,29 @@ def test_a_term_defined_in_a_test_runs_without_editing_the_step():
     assert _close(grads, ref_grads, rtol=0.0, atol=GRAD_ULPS * F32_EPS * scale)
     fn = step_lib.jit_train_step(spec, optax.constant_schedule(1e-3), config, seed=0)
     assert {fn.variant(s) for s in range(50)} == {(False,), (True,)}
+
+
+@pytest.mark.slow
+def test_every_variant_compiles_before_the_first_step_and_steps_as_lazily_compiled():
+    """``compile_all`` compiles each variant the terms can draw, before any step; the steps
+    then give the same losses, bit for bit, as programs compiled on their first draw."""
+    spec = _spec(tiny_config())
+    config = step_lib.StepConfig(terms=(obj.Distillation(num_steps=(1,), share=0.5),
+                                        obj.SolverShare(share=0.5, num_steps=1)))
+    batches = [{k: jnp.asarray(v) for k, v in _batch(i).items()} for i in range(6)]
+    losses = {}
+    for eager in (False, True):
+        fn = step_lib.jit_train_step(spec, optax.constant_schedule(3e-3), config, seed=0)
+        state = state_lib.init_state(spec, 0)
+        with jax.set_mesh(spec.mesh):
+            if eager:
+                seconds = fn.compile_all(state, batches[0])
+                assert set(seconds) == set(fn.variants()) and len(seconds) == 4
+                assert all(s > 0 for s in seconds.values())
+            run = []
+            for i, batch in enumerate(batches):
+                state, m = fn(state, batch, i)
+                run.append(float(m["loss"]))
+        losses[eager] = run
+    assert {fn.variant(i) for i in range(6)} != {fn.variant(0)}  # more than one drawn
+    assert losses[True] == losses[False]
