@@ -46,6 +46,10 @@ class TrainConfig:
     lm_eval_tasks: tuple[str, ...] = ()
     lm_eval_include_path: str | None = None  # a directory of local task YAMLs
     lm_eval_limit: int | None = None  # documents per task (None: all)
+    # jax's persistent compilation cache, so a rerun or resume compiles nothing: 'auto' is
+    # $JAX_COMPILATION_CACHE_DIR when set, else gs://<bucket>/ode_lm/xla_cache for a run on
+    # a bucket (shared by a pod's hosts) or ~/.cache/ode_lm/xla; '' turns it off
+    compilation_cache_dir: str = "auto"
     # removed (REMOVED): refused with a line naming eval_solves
     eval_num_steps: Any = None
     eval_solver: Any = None

@@ -68,6 +68,24 @@ class TrainResult:
     eval_settings: dict[str, Solve] = dataclasses.field(default_factory=dict)
 
 
+
+def use_compilation_cache(setting: str, model_dir: str) -> str | None:
+    """Point jax's persistent compilation cache at ``TrainConfig.compilation_cache_dir``
+    (its 'auto': the environment's, else the run's bucket, else the user's cache folder),
+    before the run compiles anything; the directory in use, None when off."""
+    if setting == "auto":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # jax reads it itself
+            return os.environ["JAX_COMPILATION_CACHE_DIR"]
+        if model_dir.startswith("gs://"):
+            setting = f"gs://{model_dir[5:].split('/', 1)[0]}/ode_lm/xla_cache"
+        else:
+            base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+            setting = os.path.join(base, "ode_lm", "xla")
+    if not setting:
+        return None
+    jax.config.update("jax_compilation_cache_dir", setting)
+    return setting
+
 class Trainer:
     """Wires the pieces together. Build it, call ``run()``."""
 
@@ -92,6 +110,8 @@ class Trainer:
         finetune: FinetuneRecord | None = None,
         print_fn: Callable[[str], None] = print,
     ):
+        self.compilation_cache = use_compilation_cache(train_config.compilation_cache_dir,
+                                                       train_config.model_dir)
         if evals is None and train_config.lm_eval_tasks:
             raise ValueError("TrainConfig.lm_eval_tasks: the trainer runs lm-eval through the "
                              "hook it is handed (evals=[..., harness.run.LmEval(...)])")
