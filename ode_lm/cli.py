@@ -249,10 +249,14 @@ def answer_ctrl_c_at_once(prog: str) -> None:
     XLA compile or call (Python runs a signal handler only between the main thread's
     bytecodes): the signal's wakeup byte wakes a thread that prints the one line; the main
     thread stops with KeyboardInterrupt at its next bytecode, and ``report_interrupt`` does
-    not repeat the line. Only while Ctrl-C has Python's default handler: the trainer's own
-    handler (stop after this step, then save) answers for itself. The console scripts call
+    not repeat the line. The handler notes the press first, so ``exit_status`` is 130 even
+    when something swallows the KeyboardInterrupt. Only where Ctrl-C has Python's default
+    handler: a job started in the background keeps ignoring it, and the trainer's own
+    handler (stop after this step, then save) answers for itself. The console script calls
     this once; a no-op off the main thread."""
-    if threading.current_thread() is not threading.main_thread():
+    global _prog
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
@@ -260,15 +264,25 @@ def answer_ctrl_c_at_once(prog: str) -> None:
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     except ValueError:
         return
+    _prog = prog
+    signal.signal(signal.SIGINT, _on_ctrl_c)
 
     def watch() -> None:
         while data := os.read(read, 64):
-            if (signal.SIGINT in data
-                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            if signal.SIGINT in data and signal.getsignal(signal.SIGINT) is _on_ctrl_c:
                 _ctrl_c_pressed.set()
                 report_interrupt(prog)
 
     threading.Thread(target=watch, name="ctrl-c", daemon=True).start()
+
+
+def _on_ctrl_c(signum: int, frame: Any) -> None:
+    """Python's default Ctrl-C (KeyboardInterrupt), the press noted first."""
+    _ctrl_c_pressed.set()
+    raise KeyboardInterrupt
+
+
+_prog: str | None = None
 
 
 def ctrl_c_text(text: str) -> None:
@@ -279,9 +293,11 @@ def ctrl_c_text(text: str) -> None:
 
 
 def exit_status(code: int) -> int:
-    """130 once Ctrl-C was answered, even if the interrupt never reached the command (a
-    library swallowed it, or the work ended first): the reply and the exit status agree."""
-    return EXIT_INTERRUPTED if _ctrl_c_pressed.is_set() else code
+    """130 once Ctrl-C was pressed, with its one line said, even if the interrupt never
+    reached the command (a library swallowed it, or the work ended first)."""
+    if not _ctrl_c_pressed.is_set():
+        return code
+    return report_interrupt(_prog or "ode-lm")
 
 
 def gin_parser(prog: str, description: str, example: str) -> ArgumentParser:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import terminal
 
 from ode_lm import __version__, main
 from ode_lm.commands import COMMANDS
@@ -133,7 +134,8 @@ def test_ctrl_c_is_answered_inside_a_long_c_call_then_exits_130(swallow):
     source = _LONG_C_CALL.replace("SWALLOW", str(swallow))
     proc = subprocess.Popen([sys.executable, "-c", source], env=_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=terminal.foreground)
     assert proc.stdout.readline().strip() == "ready"
     os.killpg(proc.pid, signal.SIGINT)
     line = proc.stderr.readline().strip()

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import terminal
 from data_helpers import cli_env
 
 from ode_lm.commands import prepare as prepare_cmd
@@ -147,7 +148,8 @@ def test_ctrl_c_in_prepare_is_one_line_and_130(tmp_path):
                              f"--data_dir={tmp_path / 'data'}", "--num_proc=2",
                              "--docs_per_shard=2000", "--no_progress"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=terminal.foreground)
     first = tmp_path / "data" / "chunks" / "00000.json"
     deadline = time.monotonic() + 240
     while not first.exists() and proc.poll() is None and time.monotonic() < deadline:

@@ -22,6 +22,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import terminal
 from data_helpers import cli_env, micro_cli_gin, tree_hash
 
 REPO = Path(__file__).resolve().parents[2]
@@ -451,7 +452,8 @@ def test_ctrl_c_outside_training_is_one_line_and_130(work, finished, command):
     proc = subprocess.Popen([shutil.which("ode-lm") or pytest.skip("no ode-lm script"),
                              command, f"--model_dir={finished}", *argv], cwd=REPO,
                             env=_env(work), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            preexec_fn=terminal.foreground)
     time.sleep({"eval": 12, "sample": 7}[command])  # restored, evaluating or compiling
     assert proc.poll() is None, ("finished before the Ctrl-C: give it more work",
                                  proc.communicate())
