@@ -76,6 +76,10 @@ class TrainConfig:
             except ValueError as e:  # names the entry: TrainConfig.eval_solves='rk4:step=8'
                 raise SettingError(str(e)) from None
         require_positive(self, "cpu_peak_flops")
+        cache = self.compilation_cache_dir
+        require(self, "compilation_cache_dir",
+                cache in ("auto", "") or "://" in cache or not os.path.isfile(cache),
+                "is a file, not a directory")
         require(self, "lm_eval_tasks", all(t.strip() for t in self.lm_eval_tasks),
                 "a task name is empty")
         path = self.lm_eval_include_path

@@ -111,7 +111,7 @@ def test_one_name_per_knob(main, knob, monkeypatch, capsys):
     gin_file = "runs/demo.gin" if main is train_cli.main else "finetune/demo.gin"
     value = "7" if knob == "num_train_steps" else "'/tmp/elsewhere'"
     try:
-        assert main([f"--gin_file={gin_file}", f"--gin.TrainConfig.{knob}={value}"]) == 1
+        assert main([f"--gin_file={gin_file}", f"--gin.TrainConfig.{knob}={value}"]) == 2
     finally:
         gin.clear_config()
     err = _err(capsys)

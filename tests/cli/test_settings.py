@@ -59,6 +59,7 @@ BAD: dict[type, dict[str, str | tuple[str, str]]] = {
         "eval_solves": ("('rk4:steps=8', 'rk4:step=8')", "TrainConfig.eval_solves='rk4:step=8'"),
         "max_bad_steps": "0", "cpu_peak_flops": "0.0", "lm_eval_tasks": "('',)",
         "lm_eval_include_path": "'{WORK}/no_tasks'", "lm_eval_limit": "0",
+        "compilation_cache_dir": "'{FILE}'",
     },
     DataConfig: {
         "data_dir": "'{FILE}'", "source": "''", "tokenizer": "''", "text_field": "''",

@@ -124,7 +124,7 @@ def test_full_continuous_finetune_at_new_depth(tmp_path, pretrained, corpus, cap
 
 @pytest.mark.parametrize("flag,message,counted,status", [  # 2: a setting refused when built
     ("--gin.TrainConfig.log_every=0", "TrainConfig.log_every=0: must be >= 1", False, 2),
-    ("--gin.StepConfig.microbatches=3", "not divisible by batch shards x", True, 1),
+    ("--gin.StepConfig.microbatches=3", "not divisible by batch shards x", True, 2),
 ])
 def test_a_finetune_that_fails_before_its_first_step_leaves_model_dir_as_found(
         tmp_path, pretrained, corpus, capsys, flag, message, counted, status):
